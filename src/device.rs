@@ -1,0 +1,111 @@
+//! The runtime device: Burn's CPU backend (Flex) or its wgpu backend on the adapter wgpu picks.
+
+use std::sync::OnceLock;
+
+use burn::tensor::Device;
+use burn::tensor::wgpu::{WgpuBackend, WgpuInitError, wgpu};
+
+/// Which backend to run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceChoice {
+    /// Burn's CPU backend (Flex): the reference path.
+    Cpu,
+    /// Burn's wgpu backend with our WGSL kernels.
+    Gpu,
+}
+
+/// A device ready for tensors, with a description of what it is.
+#[derive(Debug, Clone)]
+pub struct RuntimeDevice {
+    /// The Burn device.
+    pub device: Device,
+    /// What backs it, in words (adapter name, graphics API, type, driver).
+    pub description: String,
+}
+
+/// Why no GPU device could be had.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum DeviceError {
+    /// `WGPU_BACKEND` names no graphics API wgpu knows.
+    #[error("WGPU_BACKEND={0:?} is not one of vulkan, metal, dx12, gl, webgpu")]
+    UnknownBackend(String),
+    /// wgpu found no adapter or could not open it.
+    #[error(
+        "no GPU adapter could be initialised through wgpu ({0}); on Linux install a Vulkan driver \
+         (Mesa's lavapipe: `apt-get install mesa-vulkan-drivers`) or use --device cpu"
+    )]
+    NoAdapter(String),
+}
+
+/// The graphics API named by the `WGPU_BACKEND` environment variable (unset: wgpu decides).
+pub fn requested_backend() -> Result<WgpuBackend, DeviceError> {
+    match std::env::var("WGPU_BACKEND") {
+        Err(_) => Ok(WgpuBackend::Auto),
+        Ok(name) => match name.to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(WgpuBackend::Auto),
+            "vulkan" => Ok(WgpuBackend::Vulkan),
+            "metal" => Ok(WgpuBackend::Metal),
+            "dx12" => Ok(WgpuBackend::Dx12),
+            "gl" => Ok(WgpuBackend::Gl),
+            "webgpu" => Ok(WgpuBackend::WebGpu),
+            _ => Err(DeviceError::UnknownBackend(name)),
+        },
+    }
+}
+
+/// The CPU device.
+pub fn cpu() -> RuntimeDevice {
+    RuntimeDevice {
+        device: Device::flex(),
+        description: "cpu (Burn Flex backend)".to_owned(),
+    }
+}
+
+/// The wgpu device, initialised once per process on the adapter wgpu selects.
+pub fn gpu() -> Result<RuntimeDevice, DeviceError> {
+    static GPU: OnceLock<Result<RuntimeDevice, DeviceError>> = OnceLock::new();
+    GPU.get_or_init(|| {
+        let api = requested_backend()?;
+        let (device, setup) = Device::wgpu_options()
+            .graphics_api(api)
+            .init_with_setup()
+            .map_err(|e: WgpuInitError| DeviceError::NoAdapter(e.to_string()))?;
+        Ok(RuntimeDevice {
+            device,
+            description: describe(&setup.adapter.get_info()),
+        })
+    })
+    .clone()
+}
+
+/// The device for `choice`.
+pub fn select(choice: DeviceChoice) -> Result<RuntimeDevice, DeviceError> {
+    match choice {
+        DeviceChoice::Cpu => Ok(cpu()),
+        DeviceChoice::Gpu => gpu(),
+    }
+}
+
+/// One line about an adapter: name, graphics API, type and driver.
+pub fn describe(info: &wgpu::AdapterInfo) -> String {
+    format!(
+        "{} ({:?}, {:?}, driver {} {})",
+        info.name, info.backend, info.device_type, info.driver, info.driver_info
+    )
+}
+
+/// The GPU for tests: `None` (the test returns early, saying so) when wgpu finds no adapter,
+/// except under `CI=true`, where a missing adapter fails the test.
+#[cfg(test)]
+pub(crate) fn gpu_for_tests() -> Option<RuntimeDevice> {
+    match gpu() {
+        Ok(gpu) => Some(gpu),
+        Err(error) if std::env::var("CI").as_deref() == Ok("true") => {
+            panic!("CI=true requires a GPU adapter (lavapipe in CI): {error}")
+        }
+        Err(error) => {
+            eprintln!("no GPU adapter, GPU test not run: {error}");
+            None
+        }
+    }
+}

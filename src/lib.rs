@@ -1,0 +1,11 @@
+//! mmlora: the vision tower and connector of a vision-language model with many LoRA adapters in
+//! one batch, on any GPU wgpu reaches and on the CPU.
+//!
+//! The modules follow the data flow of one batch (see `DESIGN.md`):
+//! requests → [`mapping`] (which adapter each tower/connector row belongs to) →
+//! [`lora::meta`] (rows grouped by adapter slot) → [`lora::ops`] (each row's LoRA delta, on the
+//! CPU backend or in our WGSL kernels). [`device`] picks the backend.
+
+pub mod device;
+pub mod lora;
+pub mod mapping;

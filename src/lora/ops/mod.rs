@@ -1,0 +1,390 @@
+//! The LoRA-apply op: `y = base + (x · A[slot]ᵀ) · B[slot]ᵀ` for every row, each row with its own
+//! adapter slot.
+//!
+//! One backend extension ([`LoraBackend`]) with two implementations that share the same
+//! [`KernelMeta`]:
+//! - [`native`]: plain tensor ops on the CPU backend (Flex), the reference: for each slot's rows,
+//!   gather, two matmuls, scatter-add.
+//! - [`wgsl`]: our shaders (`shaders/lora_shrink.wgsl`, `shaders/lora_expand.wgsl`) on Burn's
+//!   wgpu buffers, walking the same segments in tiles of rows.
+//!
+//! Rows whose slot is [`NO_SLOT`](crate::lora::meta::NO_SLOT) keep `base` bit-for-bit. Callers
+//! use [`lora_apply`], which checks shapes, ranks, slots and row counts and returns a typed
+//! [`LoraOpError`] instead of a wrong answer.
+
+pub mod native;
+#[cfg(test)]
+mod testing;
+pub mod wgsl;
+
+use std::sync::Arc;
+
+use burn::backend::{
+    Dispatch, backend_extension,
+    tensor::{FloatTensor, IntTensor},
+};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+
+use super::meta::KernelMeta;
+
+/// The largest adapter rank the op accepts (vLLM's largest `max_lora_rank`).
+pub const MAX_RANK: usize = 512;
+
+/// Rows per tile: the WGSL kernels give each workgroup up to this many rows of one slot.
+pub const TILE_ROWS: usize = 16;
+
+/// Host-side kernel metadata carried into the backend implementations.
+#[derive(Debug, Clone)]
+pub struct LoraPlan(pub Arc<KernelMeta>);
+
+/// The LoRA-apply op as a Burn backend extension.
+#[backend_extension(Cube, Flex, Fusion)]
+pub trait LoraBackend: burn::backend::Backend {
+    /// Returns `base` with `x · A[slot]ᵀ · B[slot]ᵀ` added to columns
+    /// `out_offset .. out_offset + B.dims[1]` of every row whose slot is not −1.
+    ///
+    /// `x`: `[rows, in]`; `base`: `[rows, out_total]`; `lora_a`: `[slots, rank, in]`;
+    /// `lora_b`: `[slots, out, rank]`; `sorted_tokens`: rows sorted by slot; `tiles`:
+    /// `[n_tiles · 4]` as (slot, start, len, 0). Shapes are checked by [`lora_apply`].
+    #[allow(clippy::too_many_arguments)]
+    #[fusion(dtype = base, shape = base)]
+    fn lora_apply(
+        x: FloatTensor<Self>,
+        base: FloatTensor<Self>,
+        lora_a: FloatTensor<Self>,
+        lora_b: FloatTensor<Self>,
+        sorted_tokens: IntTensor<Self>,
+        tiles: IntTensor<Self>,
+        plan: LoraPlan,
+        out_offset: usize,
+    ) -> FloatTensor<Self>;
+}
+
+/// The kernel metadata of one forward call, uploaded once and shared by every LoRA layer the
+/// call runs through.
+#[derive(Debug, Clone)]
+pub struct LoraBatch {
+    plan: LoraPlan,
+    sorted_tokens: Tensor<1, Int>,
+    tiles: Tensor<1, Int>,
+}
+
+impl LoraBatch {
+    /// Uploads `meta` to `device`.
+    pub fn new(meta: KernelMeta, device: &Device) -> Self {
+        let sorted: Vec<i32> = meta.sorted_tokens().iter().map(|&r| r as i32).collect();
+        let tiles: Vec<i32> = meta
+            .tiles(TILE_ROWS)
+            .flat_map(|t| [t.slot, t.start as i32, t.len as i32, 0])
+            .collect();
+        let upload = |v: Vec<i32>| {
+            let n = v.len();
+            Tensor::<1, Int>::from_data(TensorData::new(v, [n]), device)
+        };
+        Self {
+            sorted_tokens: upload(sorted),
+            tiles: upload(tiles),
+            plan: LoraPlan(Arc::new(meta)),
+        }
+    }
+
+    /// The host-side metadata.
+    pub fn meta(&self) -> &KernelMeta {
+        &self.plan.0
+    }
+}
+
+/// One output slice's adapter weights, stacked over slots, with the scale folded into `b`.
+#[derive(Debug, Clone)]
+pub struct LoraSlice {
+    /// `[slots, rank, in]`; ranks below `rank` are zero-padded.
+    pub a: Tensor<3>,
+    /// `[slots, out, rank]`.
+    pub b: Tensor<3>,
+    /// First output column of this slice in the layer's output.
+    pub offset: usize,
+}
+
+/// Inputs the op cannot honour.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LoraOpError {
+    /// A tensor has the wrong shape.
+    #[error("{tensor} has shape {actual:?}, expected {expected}")]
+    Shape {
+        /// Which tensor.
+        tensor: &'static str,
+        /// Its shape.
+        actual: Vec<usize>,
+        /// What was expected, in words.
+        expected: String,
+    },
+    /// The mapping and the rows disagree.
+    #[error("the LoRA mapping covers {mapping} rows but the input has {rows}")]
+    TokenCountMismatch {
+        /// Rows in the mapping.
+        mapping: usize,
+        /// Rows in the input.
+        rows: usize,
+    },
+    /// The mapping addresses more slots than the weights hold.
+    #[error("the mapping uses slots up to {slot}, but the weights hold {slots} slots")]
+    SlotOutOfRange {
+        /// The highest slot used.
+        slot: i32,
+        /// Slots in the weights.
+        slots: usize,
+    },
+    /// The adapter rank is above [`MAX_RANK`] or zero.
+    #[error("rank {rank} is outside 1..={max}")]
+    Rank {
+        /// The rank.
+        rank: usize,
+        /// The largest rank accepted.
+        max: usize,
+    },
+    /// A tensor is not `f32`.
+    #[error("{tensor} is {dtype:?}; the LoRA op computes in f32")]
+    DType {
+        /// Which tensor.
+        tensor: &'static str,
+        /// Its dtype.
+        dtype: DType,
+    },
+    /// Tensors live on different devices.
+    #[error("{tensor} is on another device than x")]
+    Device {
+        /// Which tensor.
+        tensor: &'static str,
+    },
+}
+
+/// Adds each row's LoRA delta to `base`, slice by slice.
+///
+/// `x` is the layer input `[rows, in]`, `base` the base layer's output `[rows, out_total]`.
+/// Returns `base` unchanged when no row uses an adapter.
+pub fn lora_apply(
+    x: Tensor<2>,
+    base: Tensor<2>,
+    slices: &[LoraSlice],
+    batch: &LoraBatch,
+) -> Result<Tensor<2>, LoraOpError> {
+    for slice in slices {
+        check(&x, &base, slice, batch.meta())?;
+    }
+    if batch.meta().no_lora() {
+        return Ok(base);
+    }
+    let mut y = base;
+    for slice in slices {
+        let out = <Dispatch as LoraBackend>::lora_apply(
+            x.clone().into_dispatch(),
+            y.into_dispatch(),
+            slice.a.clone().into_dispatch(),
+            slice.b.clone().into_dispatch(),
+            batch.sorted_tokens.clone().into_dispatch(),
+            batch.tiles.clone().into_dispatch(),
+            batch.plan.clone(),
+            slice.offset,
+        );
+        y = Tensor::from_dispatch(out);
+    }
+    Ok(y)
+}
+
+/// Validates one slice against the input, the base output and the metadata.
+fn check(
+    x: &Tensor<2>,
+    base: &Tensor<2>,
+    slice: &LoraSlice,
+    meta: &KernelMeta,
+) -> Result<(), LoraOpError> {
+    let [rows, in_features] = x.dims();
+    let [base_rows, out_total] = base.dims();
+    let [slots, rank, a_in] = slice.a.dims();
+    let [b_slots, out, b_rank] = slice.b.dims();
+    let shape = |tensor, actual: &[usize], expected: String| LoraOpError::Shape {
+        tensor,
+        actual: actual.to_vec(),
+        expected,
+    };
+    for (tensor, t) in [("x", x.dtype()), ("base", base.dtype())]
+        .into_iter()
+        .chain([("lora_a", slice.a.dtype()), ("lora_b", slice.b.dtype())])
+    {
+        if t != DType::F32 {
+            return Err(LoraOpError::DType { tensor, dtype: t });
+        }
+    }
+    let device = x.device();
+    for (tensor, other) in [
+        ("base", base.device()),
+        ("lora_a", slice.a.device()),
+        ("lora_b", slice.b.device()),
+    ] {
+        if other != device {
+            return Err(LoraOpError::Device { tensor });
+        }
+    }
+    if base_rows != rows {
+        return Err(shape("base", &base.dims(), format!("[{rows}, _]")));
+    }
+    if a_in != in_features {
+        return Err(shape(
+            "lora_a",
+            &slice.a.dims(),
+            format!("[slots, rank, {in_features}]"),
+        ));
+    }
+    if rank == 0 || rank > MAX_RANK {
+        return Err(LoraOpError::Rank {
+            rank,
+            max: MAX_RANK,
+        });
+    }
+    if b_slots != slots || b_rank != rank {
+        return Err(shape(
+            "lora_b",
+            &slice.b.dims(),
+            format!("[{slots}, out, {rank}]"),
+        ));
+    }
+    if slice.offset + out > out_total {
+        return Err(shape(
+            "lora_b",
+            &slice.b.dims(),
+            format!(
+                "an output width of at most {} (slice offset {} in {out_total} columns)",
+                out_total.saturating_sub(slice.offset),
+                slice.offset
+            ),
+        ));
+    }
+    if meta.num_tokens() != rows {
+        return Err(LoraOpError::TokenCountMismatch {
+            mapping: meta.num_tokens(),
+            rows,
+        });
+    }
+    if let Some(&slot) = meta.active_slots().last()
+        && slot >= slots as i32
+    {
+        return Err(LoraOpError::SlotOutOfRange { slot, slots });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device;
+    use crate::lora::meta::NO_SLOT;
+    use burn::tensor::Distribution;
+
+    fn zeros<const D: usize>(shape: [usize; D]) -> Tensor<D> {
+        Tensor::zeros(shape, &device::cpu().device)
+    }
+
+    fn slice(slots: usize, rank: usize, in_f: usize, out: usize, offset: usize) -> LoraSlice {
+        LoraSlice {
+            a: zeros([slots, rank, in_f]),
+            b: zeros([slots, out, rank]),
+            offset,
+        }
+    }
+
+    fn batch(token_slots: Vec<i32>, slots: usize) -> LoraBatch {
+        LoraBatch::new(
+            KernelMeta::from_token_slots(token_slots, slots).unwrap(),
+            &device::cpu().device,
+        )
+    }
+
+    #[test]
+    fn bad_inputs_are_typed_errors() {
+        let x = zeros([3, 8]);
+        let base = zeros([3, 12]);
+        let meta = batch(vec![0, NO_SLOT, 1], 2);
+        let run = |x: &Tensor<2>, base: &Tensor<2>, s: LoraSlice, b: &LoraBatch| {
+            lora_apply(x.clone(), base.clone(), &[s], b).unwrap_err()
+        };
+
+        // x and A disagree on in_features.
+        assert!(matches!(
+            run(&x, &base, slice(2, 4, 9, 12, 0), &meta),
+            LoraOpError::Shape {
+                tensor: "lora_a",
+                ..
+            }
+        ));
+        // base has another row count.
+        assert!(matches!(
+            run(&x, &zeros([4, 12]), slice(2, 4, 8, 12, 0), &meta),
+            LoraOpError::Shape { tensor: "base", .. }
+        ));
+        // B's rank differs from A's.
+        let mut bad_b = slice(2, 4, 8, 12, 0);
+        bad_b.b = zeros([2, 12, 5]);
+        assert!(matches!(
+            run(&x, &base, bad_b, &meta),
+            LoraOpError::Shape {
+                tensor: "lora_b",
+                ..
+            }
+        ));
+        // The slice runs past the output.
+        assert!(matches!(
+            run(&x, &base, slice(2, 4, 8, 8, 6), &meta),
+            LoraOpError::Shape {
+                tensor: "lora_b",
+                ..
+            }
+        ));
+        // Rank above the maximum.
+        assert_eq!(
+            run(&x, &base, slice(2, MAX_RANK + 1, 8, 12, 0), &meta),
+            LoraOpError::Rank {
+                rank: MAX_RANK + 1,
+                max: MAX_RANK
+            }
+        );
+        // The mapping uses slot 1 but the weights hold one slot.
+        assert_eq!(
+            run(&x, &base, slice(1, 4, 8, 12, 0), &meta),
+            LoraOpError::SlotOutOfRange { slot: 1, slots: 1 }
+        );
+        // The mapping covers 2 rows, the input has 3.
+        assert_eq!(
+            run(&x, &base, slice(2, 4, 8, 12, 0), &batch(vec![0, 1], 2)),
+            LoraOpError::TokenCountMismatch {
+                mapping: 2,
+                rows: 3
+            }
+        );
+        // Not f32.
+        let half = LoraSlice {
+            a: zeros([2, 4, 8]).cast(DType::F16),
+            ..slice(2, 4, 8, 12, 0)
+        };
+        assert!(matches!(
+            run(&x, &base, half, &meta),
+            LoraOpError::DType {
+                tensor: "lora_a",
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn rows_without_adapter_skip_the_op() {
+        let cpu = device::cpu();
+        let x = Tensor::<2>::random([5, 8], Distribution::Default, &cpu.device);
+        let base = Tensor::<2>::random([5, 4], Distribution::Default, &cpu.device);
+        let s = LoraSlice {
+            a: Tensor::ones([1, 2, 8], &cpu.device),
+            b: Tensor::ones([1, 4, 2], &cpu.device),
+            offset: 0,
+        };
+        let y = lora_apply(x, base.clone(), &[s], &batch(vec![NO_SLOT; 5], 1)).unwrap();
+        y.into_data().assert_eq(&base.into_data(), true);
+    }
+}

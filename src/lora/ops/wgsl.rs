@@ -1,0 +1,353 @@
+//! The GPU implementation: our WGSL shaders launched on Burn's wgpu buffers.
+//!
+//! Two launches per slice. Shrink writes `x · A[slot]ᵀ` for every adapter row into a
+//! `[rows, rank]` scratch tensor; expand adds `scratch · B[slot]ᵀ` into the output's slice
+//! columns. Both walk the [tiles](crate::lora::meta::KernelMeta::tiles) of the slot-sorted rows,
+//! so a workgroup always serves one slot and the cost stays flat as adapters mix.
+
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::wgpu::{CubeBackend, KernelSource, SourceKernel, SourceTemplate};
+use burn_cubecl::cubecl::prelude::KernelId;
+use burn_cubecl::cubecl::server::{KernelArguments, MetadataBindingInfo};
+use burn_cubecl::cubecl::{CubeCount, CubeDim};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+
+use super::{LoraBackend, LoraPlan, TILE_ROWS};
+
+/// Invocations per workgroup, shared by both shaders (`{{ workgroup }}`).
+pub const WORKGROUP: u32 = 64;
+
+/// The largest rank block a workgroup stages at once (`{{ rank_tile }}` is at most this).
+pub const MAX_RANK_TILE: u32 = 32;
+
+/// Most workgroups one dispatch dimension may have (WebGPU's default limit).
+const MAX_WORKGROUPS_PER_DIM: usize = 65_535;
+
+/// The WGSL kernels of the op.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LoraShader {
+    /// `shaders/lora_shrink.wgsl`.
+    Shrink,
+    /// `shaders/lora_expand.wgsl`.
+    Expand,
+}
+
+impl LoraShader {
+    /// Every kernel, for tests that check them all.
+    pub const ALL: [LoraShader; 2] = [LoraShader::Shrink, LoraShader::Expand];
+
+    /// The shader's file name under `shaders/`.
+    pub fn file_name(self) -> &'static str {
+        match self {
+            LoraShader::Shrink => "lora_shrink.wgsl",
+            LoraShader::Expand => "lora_expand.wgsl",
+        }
+    }
+
+    fn template(self) -> &'static str {
+        match self {
+            LoraShader::Shrink => include_str!("../../../shaders/lora_shrink.wgsl"),
+            LoraShader::Expand => include_str!("../../../shaders/lora_expand.wgsl"),
+        }
+    }
+
+    /// The WGSL source specialised for `rank_tile` (see [`rank_tile`]).
+    pub fn render(self, rank_tile: u32) -> String {
+        LoraKernel {
+            shader: self,
+            rank_tile,
+        }
+        .source()
+        .complete()
+    }
+}
+
+/// The rank block for an adapter of rank `rank`: `rank` rounded up to a multiple of 4, at most
+/// [`MAX_RANK_TILE`]. Each value is its own specialised kernel.
+pub fn rank_tile(rank: usize) -> u32 {
+    (rank.div_ceil(4) * 4).min(MAX_RANK_TILE as usize) as u32
+}
+
+/// Every rank block [`rank_tile`] can return.
+pub fn rank_tiles() -> impl Iterator<Item = u32> {
+    (4..=MAX_RANK_TILE).step_by(4)
+}
+
+/// A shader specialised for one rank block.
+#[derive(Debug, Clone, Copy)]
+struct LoraKernel {
+    shader: LoraShader,
+    rank_tile: u32,
+}
+
+impl KernelSource for LoraKernel {
+    fn source(&self) -> SourceTemplate {
+        SourceTemplate::new(self.shader.template())
+            .register("workgroup", WORKGROUP.to_string())
+            .register("tile_rows", TILE_ROWS.to_string())
+            .register("rank_tile", self.rank_tile.to_string())
+    }
+
+    fn id(&self) -> KernelId {
+        KernelId::new::<Self>().info((self.shader, self.rank_tile))
+    }
+
+    fn lang(&self) -> &'static str {
+        "wgsl"
+    }
+}
+
+/// Packs `u32` parameters into the `u64` words of the trailing uniform, padded to 16 bytes.
+fn uniform_words(params: &[u32]) -> MetadataBindingInfo {
+    let mut padded = params.to_vec();
+    padded.resize(params.len().div_ceil(4) * 4, 0);
+    let words = padded
+        .chunks(2)
+        .map(|pair| u64::from(pair[0]) | (u64::from(pair[1]) << 32))
+        .collect();
+    MetadataBindingInfo::custom(words)
+}
+
+impl LoraBackend for CubeBackend {
+    fn lora_apply(
+        x: FloatTensor<Self>,
+        base: FloatTensor<Self>,
+        lora_a: FloatTensor<Self>,
+        lora_b: FloatTensor<Self>,
+        sorted_tokens: IntTensor<Self>,
+        tiles: IntTensor<Self>,
+        plan: LoraPlan,
+        out_offset: usize,
+    ) -> FloatTensor<Self> {
+        let x = into_contiguous(x);
+        let a = into_contiguous(lora_a);
+        let b = into_contiguous(lora_b);
+        let sorted_tokens = into_contiguous(sorted_tokens);
+        let tiles = into_contiguous(tiles);
+        let output = into_contiguous(base);
+        // Write in place when nothing else holds the base output; copy it otherwise.
+        let output = if output.can_mut() {
+            output
+        } else {
+            output.copy()
+        };
+
+        let rows = x.meta.shape()[0];
+        let in_features = x.meta.shape()[1];
+        let out_total = output.meta.shape()[1];
+        let [_, out_features, rank] = [b.meta.shape()[0], b.meta.shape()[1], b.meta.shape()[2]];
+        let n_tiles = plan.0.tiles(TILE_ROWS).count();
+        let rank_tile = rank_tile(rank);
+
+        let shrunk = empty_device_contiguous_dtype(
+            x.client.clone(),
+            x.device.clone(),
+            [rows, rank].into(),
+            x.dtype,
+        );
+        let client = &x.client;
+        for tile_base in (0..n_tiles).step_by(MAX_WORKGROUPS_PER_DIM) {
+            let tiles_here = (n_tiles - tile_base).min(MAX_WORKGROUPS_PER_DIM) as u32;
+            client.launch(
+                Box::new(SourceKernel::new(
+                    LoraKernel {
+                        shader: LoraShader::Shrink,
+                        rank_tile,
+                    },
+                    CubeDim::new_1d(WORKGROUP),
+                )),
+                CubeCount::Static(tiles_here, (rank as u32).div_ceil(rank_tile), 1),
+                KernelArguments::new()
+                    .with_buffer(x.handle.clone().binding())
+                    .with_buffer(a.handle.clone().binding())
+                    .with_buffer(sorted_tokens.handle.clone().binding())
+                    .with_buffer(tiles.handle.clone().binding())
+                    .with_buffer(shrunk.handle.clone().binding())
+                    .with_info(uniform_words(&[
+                        in_features as u32,
+                        rank as u32,
+                        tile_base as u32,
+                    ])),
+            );
+            client.launch(
+                Box::new(SourceKernel::new(
+                    LoraKernel {
+                        shader: LoraShader::Expand,
+                        rank_tile,
+                    },
+                    CubeDim::new_1d(WORKGROUP),
+                )),
+                CubeCount::Static(tiles_here, (out_features as u32).div_ceil(WORKGROUP), 1),
+                KernelArguments::new()
+                    .with_buffer(shrunk.handle.clone().binding())
+                    .with_buffer(b.handle.clone().binding())
+                    .with_buffer(sorted_tokens.handle.clone().binding())
+                    .with_buffer(tiles.handle.clone().binding())
+                    .with_buffer(output.handle.clone().binding())
+                    .with_info(uniform_words(&[
+                        out_features as u32,
+                        rank as u32,
+                        out_total as u32,
+                        out_offset as u32,
+                        tile_base as u32,
+                    ])),
+            );
+        }
+        output
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{Problem, assert_matches, problems, reference};
+    use super::super::{LoraSlice, lora_apply};
+    use super::*;
+    use crate::device;
+    use crate::lora::meta::NO_SLOT;
+    use proptest::prelude::*;
+
+    /// WGSL against the native op and against float64 on the same random tensors.
+    fn check(problem: &Problem) {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        let cpu = device::cpu();
+        let data = problem.data(&cpu);
+        let expected = reference(problem, &data);
+        let native = lora_apply(
+            data.x.clone(),
+            data.base.clone(),
+            &data.slices,
+            &problem.batch(&cpu),
+        )
+        .unwrap();
+        let on_gpu = data.to_device(&gpu);
+        let wgsl = lora_apply(on_gpu.x, on_gpu.base, &on_gpu.slices, &problem.batch(&gpu))
+            .unwrap()
+            .to_device(&cpu.device);
+        // Tolerance: each path is within Higham's f32 bound of the exact answer (`Reference`),
+        // so they are within twice that bound of each other; rows without adapter are checked
+        // bit-for-bit against base by `assert_matches`.
+        assert_matches(problem, &data, &expected, &wgsl, 1.0);
+        let native_ref = super::super::testing::Reference {
+            y: native
+                .into_data()
+                .try_to_vec::<f32>()
+                .unwrap()
+                .into_iter()
+                .map(f64::from)
+                .collect(),
+            bound: expected.bound.clone(),
+        };
+        assert_matches(problem, &data, &native_ref, &wgsl, 2.0);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, max_shrink_iters: 0, ..ProptestConfig::default() })]
+        #[test]
+        fn wgsl_matches_native_on_random_problems(problem in problems()) {
+            check(&problem);
+        }
+    }
+
+    #[test]
+    fn wgsl_matches_native_on_edge_cases() {
+        let qkv = |token_slots: Vec<i32>, slots, rank| Problem {
+            in_features: 1280,
+            slices: vec![(3840, rank)],
+            slots,
+            token_slots,
+        };
+        // One row; every rank block size incl. ranks that are not multiples of 4; a rank above
+        // one rank block (two expand passes, two shrink workgroups).
+        for rank in [1, 3, 4, 7, 16, 33, 64] {
+            check(&qkv(vec![0], 1, rank));
+        }
+        // All rows without adapter, one adapter, every row a different adapter.
+        check(&qkv(vec![NO_SLOT; 300], 4, 16));
+        check(&qkv(vec![2; 300], 4, 16));
+        check(&qkv((0..300).map(|r| r % 17 - 1).collect(), 16, 16));
+        // Three slices side by side (a q/k/v-style packed layer).
+        check(&Problem {
+            in_features: 96,
+            slices: vec![(64, 8), (96, 5), (64, 12)],
+            slots: 3,
+            token_slots: (0..77).map(|r| r % 4 - 1).collect(),
+        });
+    }
+
+    #[test]
+    fn base_shared_elsewhere_is_not_modified() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        let problem = Problem {
+            in_features: 64,
+            slices: vec![(64, 4)],
+            slots: 1,
+            token_slots: vec![0; 20],
+        };
+        let data = problem.data(&gpu);
+        let before = data.base.clone().into_data();
+        let slice: Vec<LoraSlice> = data.slices.clone();
+        let _ = lora_apply(
+            data.x.clone(),
+            data.base.clone(),
+            &slice,
+            &problem.batch(&gpu),
+        )
+        .unwrap();
+        data.base.into_data().assert_eq(&before, true);
+    }
+
+    /// Every shader parses and validates with naga, in every specialisation the runtime uses,
+    /// and translates to SPIR-V, MSL and HLSL.
+    #[test]
+    fn shaders_validate_and_translate_to_every_backend() {
+        use naga::back::{hlsl, msl, spv};
+        use naga::valid::{Capabilities, ValidationFlags, Validator};
+
+        let on_disk: Vec<String> =
+            std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/shaders"))
+                .unwrap()
+                .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+        for file in &on_disk {
+            assert!(
+                LoraShader::ALL.iter().any(|s| s.file_name() == file),
+                "shaders/{file} is not a kernel the runtime knows, so it is never checked"
+            );
+        }
+        for shader in LoraShader::ALL {
+            for rank_tile in rank_tiles() {
+                let source = shader.render(rank_tile);
+                let what = format!("{} (rank tile {rank_tile})", shader.file_name());
+                let module = naga::front::wgsl::parse_str(&source)
+                    .unwrap_or_else(|e| panic!("{what}: {}", e.emit_to_string(&source)));
+                let info = Validator::new(ValidationFlags::all(), Capabilities::all())
+                    .validate(&module)
+                    .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+                spv::write_vec(&module, &info, &spv::Options::default(), None)
+                    .unwrap_or_else(|e| panic!("{what} to SPIR-V: {e}"));
+                let mut msl_out = String::new();
+                msl::Writer::new(&mut msl_out)
+                    .write(
+                        &module,
+                        &info,
+                        &msl::Options::default(),
+                        &msl::PipelineOptions::default(),
+                    )
+                    .unwrap_or_else(|e| panic!("{what} to MSL: {e}"));
+                let mut hlsl_out = String::new();
+                hlsl::Writer::new(
+                    &mut hlsl_out,
+                    &hlsl::Options::default(),
+                    &hlsl::PipelineOptions::default(),
+                )
+                .write(&module, &info, None)
+                .unwrap_or_else(|e| panic!("{what} to HLSL: {e}"));
+            }
+        }
+    }
+}
