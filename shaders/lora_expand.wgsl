@@ -1,9 +1,9 @@
 // LoRA expand: output[row, offset + c] += sum_r shrunk[row, r] * lora_b[slot, c, r]
 //
-// One workgroup per (tile, block of WORKGROUP output columns); one thread per column, summing
-// the tile's TILE_ROWS rows. Rows with slot -1 are in no tile, so their output is never
-// written and keeps the base value bit-for-bit. The shrunk rows and B are staged through
-// workgroup memory RANK_TILE ranks at a time.
+// One workgroup per (tile, block of 4 * WORKGROUP output columns); each thread adds to four
+// adjacent columns of all the tile's TILE_ROWS rows. Rows with slot -1 are in no tile, so their
+// output is never written and keeps the base value bit-for-bit. The tile's shrunk rows are staged
+// through workgroup memory RANK_TILE ranks at a time; B is read straight from storage.
 
 @group(0) @binding(0) var<storage, read_write> shrunk: array<f32>;        // [rows, rank]
 @group(0) @binding(1) var<storage, read_write> lora_b: array<f32>;        // [slots, out, rank]
@@ -26,9 +26,10 @@ struct Params {
 const WORKGROUP: u32 = {{ workgroup }}u;
 const TILE_ROWS: u32 = {{ tile_rows }}u;
 const RANK_TILE: u32 = {{ rank_tile }}u;
+const ROW_BLOCKS: u32 = TILE_ROWS / 4u;
 
-var<workgroup> t_tile: array<f32, TILE_ROWS * RANK_TILE>;
-var<workgroup> b_tile: array<f32, WORKGROUP * RANK_TILE>;
+// Staged transposed, rank by rank, so four rows are one vec4.
+var<workgroup> t_tile: array<vec4<f32>, RANK_TILE * ROW_BLOCKS>;
 
 @compute @workgroup_size(WORKGROUP)
 fn main(
@@ -41,46 +42,59 @@ fn main(
     let len = u32(tiles[tile + 2u]);
     let out_features = params.out_features;
     let rank = params.rank;
-    let col0 = workgroup.y * WORKGROUP;
+    let col = (workgroup.y * WORKGROUP + lid) * 4u;
 
-    var acc: array<f32, TILE_ROWS>;
+    // The B rows of this thread's columns (clamped: columns past the end are computed, not stored).
+    var b_row: array<u32, 4>;
+    for (var c = 0u; c < 4u; c++) {
+        b_row[c] = (slot * out_features + min(col + c, out_features - 1u)) * rank;
+    }
+    // acc[m] holds row m, columns col .. col + 4.
+    var acc: array<vec4<f32>, TILE_ROWS>;
 
     for (var r0 = 0u; r0 < rank; r0 += RANK_TILE) {
         for (var i = lid; i < TILE_ROWS * RANK_TILE; i += WORKGROUP) {
             let m = i / RANK_TILE;
-            let r = r0 + i % RANK_TILE;
+            let r = i % RANK_TILE;
             var value = 0.0;
-            if (m < len && r < rank) {
+            if (m < len && r0 + r < rank) {
                 let token = u32(sorted_tokens[start + m]);
-                value = shrunk[token * rank + r];
+                value = shrunk[token * rank + r0 + r];
             }
-            t_tile[i] = value;
-        }
-        for (var i = lid; i < WORKGROUP * RANK_TILE; i += WORKGROUP) {
-            let c = col0 + i / RANK_TILE;
-            let r = r0 + i % RANK_TILE;
-            var value = 0.0;
-            if (c < out_features && r < rank) {
-                value = lora_b[(slot * out_features + c) * rank + r];
-            }
-            b_tile[i] = value;
+            t_tile[r * ROW_BLOCKS + m / 4u][m % 4u] = value;
         }
         workgroupBarrier();
-        for (var rr = 0u; rr < RANK_TILE; rr++) {
-            let bv = b_tile[lid * RANK_TILE + rr];
-            for (var m = 0u; m < TILE_ROWS; m++) {
-                acc[m] += t_tile[m * RANK_TILE + rr] * bv;
+        for (var r = 0u; r < RANK_TILE; r++) {
+            var bv = vec4<f32>(0.0);
+            if (r0 + r < rank) {
+                bv = vec4<f32>(
+                    lora_b[b_row[0] + r0 + r],
+                    lora_b[b_row[1] + r0 + r],
+                    lora_b[b_row[2] + r0 + r],
+                    lora_b[b_row[3] + r0 + r],
+                );
+            }
+            for (var q = 0u; q < ROW_BLOCKS; q++) {
+                let t = t_tile[r * ROW_BLOCKS + q];
+                acc[4u * q] += t.x * bv;
+                acc[4u * q + 1u] += t.y * bv;
+                acc[4u * q + 2u] += t.z * bv;
+                acc[4u * q + 3u] += t.w * bv;
             }
         }
         workgroupBarrier();
     }
 
-    let col = col0 + lid;
-    if (col < out_features) {
-        for (var m = 0u; m < len; m++) {
+    // Constant trip counts keep `acc` in registers (a dynamic index would spill it).
+    for (var m = 0u; m < TILE_ROWS; m++) {
+        if (m < len) {
             let token = u32(sorted_tokens[start + m]);
-            let index = token * params.out_total + params.out_offset + col;
-            output[index] = output[index] + acc[m];
+            let base = token * params.out_total + params.out_offset;
+            for (var c = 0u; c < 4u; c++) {
+                if (col + c < out_features) {
+                    output[base + col + c] = output[base + col + c] + acc[m][c];
+                }
+            }
         }
     }
 }

@@ -63,15 +63,15 @@ impl LoraShader {
     }
 }
 
-/// The rank block for an adapter of rank `rank`: `rank` rounded up to a multiple of 4, at most
-/// [`MAX_RANK_TILE`]. Each value is its own specialised kernel.
+/// The rank block for an adapter of rank `rank`: the power of two at or above `rank`, between 4
+/// and [`MAX_RANK_TILE`]. Each value is its own specialised kernel.
 pub fn rank_tile(rank: usize) -> u32 {
-    (rank.div_ceil(4) * 4).min(MAX_RANK_TILE as usize) as u32
+    (rank.next_power_of_two().clamp(4, MAX_RANK_TILE as usize)) as u32
 }
 
 /// Every rank block [`rank_tile`] can return.
 pub fn rank_tiles() -> impl Iterator<Item = u32> {
-    (4..=MAX_RANK_TILE).step_by(4)
+    [4, 8, 16, 32].into_iter()
 }
 
 /// A shader specialised for one rank block.
@@ -178,7 +178,7 @@ impl LoraBackend for CubeBackend {
                     },
                     CubeDim::new_1d(WORKGROUP),
                 )),
-                CubeCount::Static(tiles_here, (out_features as u32).div_ceil(WORKGROUP), 1),
+                CubeCount::Static(tiles_here, (out_features as u32).div_ceil(4 * WORKGROUP), 1),
                 KernelArguments::new()
                     .with_buffer(shrunk.handle.clone().binding())
                     .with_buffer(b.handle.clone().binding())
