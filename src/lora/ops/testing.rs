@@ -3,7 +3,7 @@
 use burn::tensor::{Distribution, Tensor};
 use proptest::prelude::*;
 
-use super::{LoraBatch, LoraSlice};
+use super::{LoraBatch, LoraSlice, lora_apply};
 use crate::device::RuntimeDevice;
 use crate::lora::meta::{KernelMeta, NO_SLOT};
 
@@ -50,6 +50,16 @@ impl ProblemData {
                 })
                 .collect(),
         }
+    }
+}
+
+impl ProblemData {
+    /// The op's result on `device` (the data moved there first), back on the CPU.
+    pub fn apply(&self, problem: &Problem, device: &RuntimeDevice) -> Tensor<2> {
+        let on = self.to_device(device);
+        lora_apply(on.x, on.base, &on.slices, &problem.batch(device))
+            .unwrap()
+            .to_device(&crate::device::cpu().device)
     }
 }
 
@@ -120,40 +130,25 @@ pub struct Reference {
     pub bound: Vec<f64>,
 }
 
+/// A tensor's values, widened to f64.
+pub fn to_f64<const D: usize>(t: &Tensor<D>) -> Vec<f64> {
+    t.clone()
+        .into_data()
+        .try_to_vec::<f32>()
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
+
 /// Computes the float64 reference with a per-row loop.
 pub fn reference(problem: &Problem, data: &ProblemData) -> Reference {
-    let host = |t: &Tensor<2>| -> Vec<f64> {
-        t.clone()
-            .into_data()
-            .try_to_vec::<f32>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect()
-    };
-    let x = host(&data.x);
-    let mut y = host(&data.base);
+    let x = to_f64(&data.x);
+    let mut y = to_f64(&data.base);
     let mut bound = vec![0.0; y.len()];
     let (in_f, out_total) = (problem.in_features, problem.out_total());
     for (slice, &(out, rank)) in data.slices.iter().zip(&problem.slices) {
-        let a: Vec<f64> = slice
-            .a
-            .clone()
-            .into_data()
-            .try_to_vec::<f32>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect();
-        let b: Vec<f64> = slice
-            .b
-            .clone()
-            .into_data()
-            .try_to_vec::<f32>()
-            .unwrap()
-            .into_iter()
-            .map(f64::from)
-            .collect();
+        let (a, b) = (to_f64(&slice.a), to_f64(&slice.b));
         let n = (in_f + rank) as f64;
         let gamma = n * U / (1.0 - n * U);
         for (row, &slot) in problem.token_slots.iter().enumerate() {

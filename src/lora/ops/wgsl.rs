@@ -6,7 +6,7 @@
 //! so a workgroup always serves one slot and the cost stays flat as adapters mix.
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
-use burn::backend::wgpu::{CubeBackend, KernelSource, SourceKernel, SourceTemplate};
+use burn::backend::wgpu::{CubeBackend, CubeTensor, KernelSource, SourceKernel, SourceTemplate};
 use burn_cubecl::cubecl::prelude::KernelId;
 use burn_cubecl::cubecl::server::{KernelArguments, MetadataBindingInfo};
 use burn_cubecl::cubecl::{CubeCount, CubeDim};
@@ -109,6 +109,22 @@ fn uniform_words(params: &[u32]) -> MetadataBindingInfo {
     MetadataBindingInfo::custom(words)
 }
 
+/// Launches `kernel` on `workgroups` (x, y) with `buffers` bound in order and `params` in the
+/// trailing uniform.
+fn launch(kernel: LoraKernel, workgroups: (u32, u32), buffers: [&CubeTensor; 5], params: &[u32]) {
+    let arguments = buffers
+        .iter()
+        .fold(KernelArguments::new(), |args, tensor| {
+            args.with_buffer(tensor.handle.clone().binding())
+        })
+        .with_info(uniform_words(params));
+    buffers[0].client.launch(
+        Box::new(SourceKernel::new(kernel, CubeDim::new_1d(WORKGROUP))),
+        CubeCount::Static(workgroups.0, workgroups.1, 1),
+        arguments,
+    );
+}
+
 impl LoraBackend for CubeBackend {
     fn lora_apply(
         x: FloatTensor<Self>,
@@ -146,52 +162,26 @@ impl LoraBackend for CubeBackend {
             [rows, rank].into(),
             x.dtype,
         );
-        let client = &x.client;
         for tile_base in (0..n_tiles).step_by(MAX_WORKGROUPS_PER_DIM) {
             let tiles_here = (n_tiles - tile_base).min(MAX_WORKGROUPS_PER_DIM) as u32;
-            client.launch(
-                Box::new(SourceKernel::new(
-                    LoraKernel {
-                        shader: LoraShader::Shrink,
-                        rank_tile,
-                    },
-                    CubeDim::new_1d(WORKGROUP),
-                )),
-                CubeCount::Static(tiles_here, (rank as u32).div_ceil(rank_tile), 1),
-                KernelArguments::new()
-                    .with_buffer(x.handle.clone().binding())
-                    .with_buffer(a.handle.clone().binding())
-                    .with_buffer(sorted_tokens.handle.clone().binding())
-                    .with_buffer(tiles.handle.clone().binding())
-                    .with_buffer(shrunk.handle.clone().binding())
-                    .with_info(uniform_words(&[
-                        in_features as u32,
-                        rank as u32,
-                        tile_base as u32,
-                    ])),
+            let kernel = |shader| LoraKernel { shader, rank_tile };
+            launch(
+                kernel(LoraShader::Shrink),
+                (tiles_here, (rank as u32).div_ceil(rank_tile)),
+                [&x, &a, &sorted_tokens, &tiles, &shrunk],
+                &[in_features as u32, rank as u32, tile_base as u32],
             );
-            client.launch(
-                Box::new(SourceKernel::new(
-                    LoraKernel {
-                        shader: LoraShader::Expand,
-                        rank_tile,
-                    },
-                    CubeDim::new_1d(WORKGROUP),
-                )),
-                CubeCount::Static(tiles_here, (out_features as u32).div_ceil(4 * WORKGROUP), 1),
-                KernelArguments::new()
-                    .with_buffer(shrunk.handle.clone().binding())
-                    .with_buffer(b.handle.clone().binding())
-                    .with_buffer(sorted_tokens.handle.clone().binding())
-                    .with_buffer(tiles.handle.clone().binding())
-                    .with_buffer(output.handle.clone().binding())
-                    .with_info(uniform_words(&[
-                        out_features as u32,
-                        rank as u32,
-                        out_total as u32,
-                        out_offset as u32,
-                        tile_base as u32,
-                    ])),
+            launch(
+                kernel(LoraShader::Expand),
+                (tiles_here, (out_features as u32).div_ceil(4 * WORKGROUP)),
+                [&shrunk, &b, &sorted_tokens, &tiles, &output],
+                &[
+                    out_features as u32,
+                    rank as u32,
+                    out_total as u32,
+                    out_offset as u32,
+                    tile_base as u32,
+                ],
             );
         }
         output
@@ -200,7 +190,7 @@ impl LoraBackend for CubeBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{Problem, assert_matches, problems, reference};
+    use super::super::testing::{Problem, Reference, assert_matches, problems, reference, to_f64};
     use super::super::{LoraSlice, lora_apply};
     use super::*;
     use crate::device;
@@ -215,32 +205,17 @@ mod tests {
         let cpu = device::cpu();
         let data = problem.data(&cpu);
         let expected = reference(problem, &data);
-        let native = lora_apply(
-            data.x.clone(),
-            data.base.clone(),
-            &data.slices,
-            &problem.batch(&cpu),
-        )
-        .unwrap();
-        let on_gpu = data.to_device(&gpu);
-        let wgsl = lora_apply(on_gpu.x, on_gpu.base, &on_gpu.slices, &problem.batch(&gpu))
-            .unwrap()
-            .to_device(&cpu.device);
+        let native = data.apply(problem, &cpu);
+        let wgsl = data.apply(problem, &gpu);
         // Tolerance: each path is within Higham's f32 bound of the exact answer (`Reference`),
         // so they are within twice that bound of each other; rows without adapter are checked
         // bit-for-bit against base by `assert_matches`.
         assert_matches(problem, &data, &expected, &wgsl, 1.0);
-        let native_ref = super::super::testing::Reference {
-            y: native
-                .into_data()
-                .try_to_vec::<f32>()
-                .unwrap()
-                .into_iter()
-                .map(f64::from)
-                .collect(),
+        let native = Reference {
+            y: to_f64(&native),
             bound: expected.bound.clone(),
         };
-        assert_matches(problem, &data, &native_ref, &wgsl, 2.0);
+        assert_matches(problem, &data, &native, &wgsl, 2.0);
     }
 
     proptest! {
