@@ -9,3 +9,4 @@
 pub mod device;
 pub mod lora;
 pub mod mapping;
+pub mod preprocess;

@@ -1,0 +1,503 @@
+//! The Qwen2-VL image processor: the same numbers as Hugging Face's PIL-flavoured
+//! `Qwen2VLImageProcessor` (see `DESIGN.md`, "Preprocessing").
+//!
+//! decode → RGB → smart_resize to multiples of `patch · merge` → bicubic resize exactly as
+//! Pillow does it on `uint8` → ×1/255 → CLIP mean/std → two identical frames → patches
+//! flattened merge-block-major, each row laid out `[C][T][patch][patch]`.
+
+use std::path::{Path, PathBuf};
+
+use image::{ImageReader, Limits, RgbImage};
+use serde::Deserialize;
+
+/// The processor's settings, as in a model folder's `preprocessor_config.json`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreprocessConfig {
+    /// Fewest pixels after resizing.
+    pub min_pixels: usize,
+    /// Most pixels after resizing.
+    pub max_pixels: usize,
+    /// Side of a patch.
+    pub patch_size: usize,
+    /// Frames per patch.
+    pub temporal_patch_size: usize,
+    /// Side of the block of patches the connector merges.
+    pub merge_size: usize,
+    /// Factor applied to the 8-bit values (1/255).
+    pub rescale_factor: f64,
+    /// Per-channel mean subtracted after rescaling.
+    pub image_mean: [f32; 3],
+    /// Per-channel standard deviation divided by after subtracting the mean.
+    pub image_std: [f32; 3],
+}
+
+impl Default for PreprocessConfig {
+    /// `Qwen2VLImageProcessor`'s defaults.
+    fn default() -> Self {
+        Self {
+            min_pixels: 56 * 56,
+            max_pixels: 28 * 28 * 1280,
+            patch_size: 14,
+            temporal_patch_size: 2,
+            merge_size: 2,
+            rescale_factor: 1.0 / 255.0,
+            image_mean: [0.481_454_66, 0.457_827_5, 0.408_210_73],
+            image_std: [0.268_629_54, 0.261_302_6, 0.275_777_1],
+        }
+    }
+}
+
+/// `preprocessor_config.json` as written by transformers (old and new spellings).
+#[derive(Debug, Deserialize)]
+struct ConfigFile {
+    min_pixels: Option<usize>,
+    max_pixels: Option<usize>,
+    size: Option<SizeField>,
+    patch_size: Option<usize>,
+    temporal_patch_size: Option<usize>,
+    merge_size: Option<usize>,
+    rescale_factor: Option<f64>,
+    image_mean: Option<[f32; 3]>,
+    image_std: Option<[f32; 3]>,
+}
+
+#[derive(Debug, Deserialize)]
+struct SizeField {
+    shortest_edge: Option<usize>,
+    longest_edge: Option<usize>,
+}
+
+/// Errors reading images or processor settings.
+#[derive(Debug, thiserror::Error)]
+pub enum PreprocessError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The image could not be decoded (or is larger than the decoder's limits).
+    #[error("cannot decode image {path}: {source}")]
+    Decode {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: image::ImageError,
+    },
+    /// The image has more pixels than allowed before decoding.
+    #[error("image {path} is {width}×{height}, above the limit of {limit} pixels")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// Its width.
+        width: u32,
+        /// Its height.
+        height: u32,
+        /// The limit.
+        limit: u64,
+    },
+    /// The image's shape cannot be resized to patches.
+    #[error("image of {width}×{height} cannot be processed: {reason}")]
+    Shape {
+        /// Its width.
+        width: usize,
+        /// Its height.
+        height: usize,
+        /// Why.
+        reason: &'static str,
+    },
+    /// `preprocessor_config.json` is malformed.
+    #[error("malformed {path}: {source}")]
+    Config {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: serde_json::Error,
+    },
+}
+
+impl PreprocessConfig {
+    /// The settings in `dir/preprocessor_config.json`, or the defaults when there is none.
+    pub fn from_model_dir(dir: &Path) -> Result<Self, PreprocessError> {
+        let path = dir.join("preprocessor_config.json");
+        if !path.exists() {
+            return Ok(Self::default());
+        }
+        let text = std::fs::read_to_string(&path).map_err(|source| PreprocessError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let file: ConfigFile = serde_json::from_str(&text)
+            .map_err(|source| PreprocessError::Config { path, source })?;
+        let default = Self::default();
+        let size = file.size.as_ref();
+        Ok(Self {
+            min_pixels: file
+                .min_pixels
+                .or(size.and_then(|s| s.shortest_edge))
+                .unwrap_or(default.min_pixels),
+            max_pixels: file
+                .max_pixels
+                .or(size.and_then(|s| s.longest_edge))
+                .unwrap_or(default.max_pixels),
+            patch_size: file.patch_size.unwrap_or(default.patch_size),
+            temporal_patch_size: file
+                .temporal_patch_size
+                .unwrap_or(default.temporal_patch_size),
+            merge_size: file.merge_size.unwrap_or(default.merge_size),
+            rescale_factor: file.rescale_factor.unwrap_or(default.rescale_factor),
+            image_mean: file.image_mean.unwrap_or(default.image_mean),
+            image_std: file.image_std.unwrap_or(default.image_std),
+        })
+    }
+
+    /// Values per patch row: channels × frames × patch².
+    pub fn patch_len(&self) -> usize {
+        3 * self.temporal_patch_size * self.patch_size * self.patch_size
+    }
+}
+
+/// One image as the tower takes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Patches {
+    /// `[rows, patch_len]`, row-major.
+    pub pixel_values: Vec<f32>,
+    /// `(t, h, w)` in patches.
+    pub grid_thw: [usize; 3],
+}
+
+impl Patches {
+    /// Rows (patches).
+    pub fn rows(&self) -> usize {
+        self.grid_thw.iter().product()
+    }
+}
+
+/// The most pixels an image file may declare before it is decoded.
+pub const MAX_DECODED_PIXELS: u64 = 64 << 20;
+
+/// Reads and decodes an image file (PNG, JPEG, WebP) to RGB as transformers does: grayscale is
+/// replicated and transparency is composited onto white.
+pub fn load_image(path: &Path) -> Result<RgbImage, PreprocessError> {
+    let reader = ImageReader::open(path)
+        .map_err(|source| PreprocessError::Io {
+            path: path.to_owned(),
+            source,
+        })?
+        .with_guessed_format()
+        .map_err(|source| PreprocessError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+    let decode = |source| PreprocessError::Decode {
+        path: path.to_owned(),
+        source,
+    };
+    let (width, height) = ImageReader::open(path)
+        .and_then(|r| r.with_guessed_format())
+        .map_err(|source| PreprocessError::Io {
+            path: path.to_owned(),
+            source,
+        })?
+        .into_dimensions()
+        .map_err(decode)?;
+    if u64::from(width) * u64::from(height) > MAX_DECODED_PIXELS {
+        return Err(PreprocessError::TooLarge {
+            path: path.to_owned(),
+            width,
+            height,
+            limit: MAX_DECODED_PIXELS,
+        });
+    }
+    let mut reader = reader;
+    let mut limits = Limits::default();
+    limits.max_alloc = Some(MAX_DECODED_PIXELS * 16);
+    reader.limits(limits);
+    let decoded = reader.decode().map_err(decode)?;
+    Ok(if decoded.color().has_alpha() {
+        composite_on_white(&decoded.to_rgba8())
+    } else {
+        decoded.to_rgb8()
+    })
+}
+
+/// Pillow's `alpha_composite` of an RGBA image over opaque white, then dropped to RGB: what
+/// transformers' `convert_to_rgb` does with transparent images.
+fn composite_on_white(image: &image::RgbaImage) -> RgbImage {
+    const BITS: u32 = 7;
+    let div255 = |a: u32| ((a >> 8) + a) >> 8;
+    RgbImage::from_fn(image.width(), image.height(), |x, y| {
+        let [r, g, b, alpha] = image.get_pixel(x, y).0;
+        if alpha == 0 {
+            return image::Rgb([255, 255, 255]);
+        }
+        let alpha = u32::from(alpha);
+        // The background's alpha is 255, so Pillow's `outa255` is 255·255.
+        let coef1 = alpha * 255 * 255 * (1 << BITS) / (255 * 255);
+        let coef2 = 255 * (1 << BITS) - coef1;
+        let blend =
+            |c: u8| (div255(u32::from(c) * coef1 + 255 * coef2 + (0x80 << BITS)) >> BITS) as u8;
+        image::Rgb([blend(r), blend(g), blend(b)])
+    })
+}
+
+/// The size an image is resized to: each side a multiple of `factor`, the area within
+/// `[min_pixels, max_pixels]`, rounding as Python's `round` (halves to even).
+pub fn smart_resize(
+    height: usize,
+    width: usize,
+    factor: usize,
+    min_pixels: usize,
+    max_pixels: usize,
+) -> Result<(usize, usize), PreprocessError> {
+    let shape_error = |reason| PreprocessError::Shape {
+        width,
+        height,
+        reason,
+    };
+    if height == 0 || width == 0 {
+        return Err(shape_error("an image needs at least one pixel"));
+    }
+    if height.max(width) as f64 / height.min(width) as f64 > 200.0 {
+        return Err(shape_error("the aspect ratio is above 200"));
+    }
+    let (h, w, f) = (height as f64, width as f64, factor as f64);
+    let mut h_bar = (h / f).round_ties_even() * f;
+    let mut w_bar = (w / f).round_ties_even() * f;
+    if h_bar * w_bar > max_pixels as f64 {
+        let beta = (h * w / max_pixels as f64).sqrt();
+        h_bar = f.max((h / beta / f).floor() * f);
+        w_bar = f.max((w / beta / f).floor() * f);
+    } else if h_bar * w_bar < min_pixels as f64 {
+        let beta = (min_pixels as f64 / (h * w)).sqrt();
+        h_bar = (h * beta / f).ceil() * f;
+        w_bar = (w * beta / f).ceil() * f;
+    }
+    Ok((h_bar as usize, w_bar as usize))
+}
+
+/// Runs the processor on one image.
+pub fn preprocess(image: &RgbImage, config: &PreprocessConfig) -> Result<Patches, PreprocessError> {
+    let factor = config.patch_size * config.merge_size;
+    let (height, width) = smart_resize(
+        image.height() as usize,
+        image.width() as usize,
+        factor,
+        config.min_pixels,
+        config.max_pixels,
+    )?;
+    let resized = if (width, height) == (image.width() as usize, image.height() as usize) {
+        image.clone()
+    } else {
+        resize_bicubic(image, width, height)
+    };
+
+    // ×rescale_factor in f64 then f32, then (x − mean) / std in f32, as transformers' numpy path does.
+    let pixel = |c: usize, y: usize, x: usize| -> f32 {
+        let value = resized.get_pixel(x as u32, y as u32)[c];
+        let scaled = (f64::from(value) * config.rescale_factor) as f32;
+        (scaled - config.image_mean[c]) / config.image_std[c]
+    };
+
+    let (p, t, m) = (
+        config.patch_size,
+        config.temporal_patch_size,
+        config.merge_size,
+    );
+    let (gh, gw) = (height / p, width / p);
+    let mut pixel_values = Vec::with_capacity(gh * gw * config.patch_len());
+    // Merge-block-major: blocks of m×m patches in raster order, patches in raster order
+    // inside a block; each patch row is [C][T][p][p], the T frames identical.
+    for by in 0..gh / m {
+        for bx in 0..gw / m {
+            for my in 0..m {
+                for mx in 0..m {
+                    let (py, px) = ((by * m + my) * p, (bx * m + mx) * p);
+                    for c in 0..3 {
+                        for _frame in 0..t {
+                            for y in 0..p {
+                                for x in 0..p {
+                                    pixel_values.push(pixel(c, py + y, px + x));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(Patches {
+        pixel_values,
+        grid_thw: [1, gh, gw],
+    })
+}
+
+/// Pillow's fixed-point precision for 8-bit resampling.
+const PRECISION_BITS: u32 = 32 - 8 - 2;
+
+/// Pillow's bicubic kernel (a = −0.5), support 2.
+fn bicubic(x: f64) -> f64 {
+    const A: f64 = -0.5;
+    let x = x.abs();
+    if x < 1.0 {
+        ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
+    } else if x < 2.0 {
+        (((x - 5.0) * x + 8.0) * x - 4.0) * A
+    } else {
+        0.0
+    }
+}
+
+/// For each output position: the first input index and the fixed-point weights of the inputs
+/// it reads (Pillow's `precompute_coeffs` + `normalize_coeffs_8bpc`).
+fn coefficients(in_size: usize, out_size: usize) -> Vec<(usize, Vec<i32>)> {
+    let scale = in_size as f64 / out_size as f64;
+    let filter_scale = scale.max(1.0);
+    let support = 2.0 * filter_scale;
+    let inverse_scale = 1.0 / filter_scale; // multiplied, not divided, as Pillow does
+    (0..out_size)
+        .map(|xx| {
+            let center = (xx as f64 + 0.5) * scale;
+            let xmin = ((center - support + 0.5) as i64).max(0) as usize;
+            let xmax = ((center + support + 0.5) as i64).min(in_size as i64) as usize;
+            let weights: Vec<f64> = (xmin..xmax)
+                .map(|x| bicubic((x as f64 - center + 0.5) * inverse_scale))
+                .collect();
+            let total: f64 = weights.iter().sum();
+            let fixed = weights
+                .iter()
+                .map(|&w| {
+                    let w = if total != 0.0 { w / total } else { w };
+                    let scaled = w * f64::from(1u32 << PRECISION_BITS);
+                    (if w < 0.0 { scaled - 0.5 } else { scaled + 0.5 }) as i32
+                })
+                .collect();
+            (xmin, fixed)
+        })
+        .collect()
+}
+
+/// Pillow's `clip8`: drop the fixed-point fraction and clamp to a byte.
+fn clip8(value: i32) -> u8 {
+    (value >> PRECISION_BITS).clamp(0, 255) as u8
+}
+
+/// Pillow's bicubic resize of an 8-bit RGB image: a horizontal pass over the rows the vertical
+/// pass reads, then the vertical pass, each rounding to bytes.
+fn resize_bicubic(image: &RgbImage, width: usize, height: usize) -> RgbImage {
+    let (in_w, in_h) = (image.width() as usize, image.height() as usize);
+    let horizontal = coefficients(in_w, width);
+    let vertical = coefficients(in_h, height);
+    let first_row = vertical[0].0;
+    let last_row = vertical
+        .last()
+        .map(|(start, w)| start + w.len())
+        .unwrap_or(first_row);
+    let half = 1i32 << (PRECISION_BITS - 1);
+
+    // Horizontal pass (skipped, as in Pillow, when the width does not change).
+    let rows = last_row - first_row;
+    let mut temp = vec![0u8; rows * width * 3];
+    let temp_width = if width != in_w {
+        for y in 0..rows {
+            for (x, (start, weights)) in horizontal.iter().enumerate() {
+                for c in 0..3 {
+                    let mut sum = half;
+                    for (i, &k) in weights.iter().enumerate() {
+                        let px = image.get_pixel((start + i) as u32, (first_row + y) as u32);
+                        sum += i32::from(px[c]) * k;
+                    }
+                    temp[(y * width + x) * 3 + c] = clip8(sum);
+                }
+            }
+        }
+        width
+    } else {
+        for y in 0..rows {
+            for x in 0..in_w {
+                let px = image.get_pixel(x as u32, (first_row + y) as u32);
+                temp[(y * in_w + x) * 3..(y * in_w + x) * 3 + 3].copy_from_slice(&px.0);
+            }
+        }
+        in_w
+    };
+
+    if height == in_h {
+        return RgbImage::from_raw(temp_width as u32, rows as u32, temp)
+            .expect("the buffer matches the size");
+    }
+    let mut out = RgbImage::new(temp_width as u32, height as u32);
+    for (y, (start, weights)) in vertical.iter().enumerate() {
+        for x in 0..temp_width {
+            for c in 0..3 {
+                let mut sum = half;
+                for (i, &k) in weights.iter().enumerate() {
+                    let row = start - first_row + i;
+                    sum += i32::from(temp[(row * temp_width + x) * 3 + c]) * k;
+                }
+                out.get_pixel_mut(x as u32, y as u32)[c] = clip8(sum);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn smart_resize_rounds_halves_to_even_and_keeps_the_pixel_range() {
+        // 42/28 = 1.5 → 2 (even); 70/28 = 2.5 → 2 (even), as Python's round.
+        assert_eq!(smart_resize(42, 70, 28, 1, 1 << 30).unwrap(), (56, 56));
+        assert_eq!(
+            smart_resize(224, 224, 28, 3136, 1_003_520).unwrap(),
+            (224, 224)
+        );
+        // Too many pixels: scaled down, floored to multiples of 28.
+        let (h, w) = smart_resize(1000, 1000, 28, 3136, 200_000).unwrap();
+        assert!(h * w <= 200_000 && h % 28 == 0 && w % 28 == 0, "{h}×{w}");
+        // Too few: scaled up, ceiled.
+        let (h, w) = smart_resize(30, 30, 28, 3136, 1_003_520).unwrap();
+        assert!(h * w >= 3136 && h % 28 == 0, "{h}×{w}");
+        assert!(smart_resize(10, 3000, 28, 3136, 1_003_520).is_err());
+        assert!(smart_resize(0, 30, 28, 3136, 1_003_520).is_err());
+    }
+
+    #[test]
+    fn bicubic_weights_sum_to_one_in_fixed_point() {
+        for (inp, out) in [(100, 56), (56, 100), (37, 28), (28, 28)] {
+            for (_, weights) in coefficients(inp, out) {
+                let sum: i64 = weights.iter().map(|&w| i64::from(w)).sum();
+                assert!((sum - (1 << PRECISION_BITS)).abs() <= weights.len() as i64);
+            }
+        }
+    }
+
+    #[test]
+    fn patches_are_merge_block_major_with_identical_frames() {
+        // A 56×56 image: 4×4 patches in 2×2 merge blocks. Colour each patch by its index.
+        let config = PreprocessConfig::default();
+        let image = RgbImage::from_fn(56, 56, |x, y| {
+            let patch = (y / 14) * 4 + x / 14;
+            image::Rgb([patch as u8 * 10, 0, 0])
+        });
+        let patches = preprocess(&image, &config).unwrap();
+        assert_eq!(patches.grid_thw, [1, 4, 4]);
+        let red = |row: usize| patches.pixel_values[row * config.patch_len()];
+        let expected_patch_order = [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15];
+        for (row, &patch) in expected_patch_order.iter().enumerate() {
+            let value =
+                ((patch as f64 * 10.0 / 255.0) as f32 - config.image_mean[0]) / config.image_std[0];
+            assert_eq!(red(row), value, "row {row}");
+        }
+        // The two frames of a patch are equal.
+        let frame = 14 * 14;
+        assert_eq!(
+            patches.pixel_values[..frame],
+            patches.pixel_values[frame..2 * frame]
+        );
+    }
+}
