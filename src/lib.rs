@@ -6,7 +6,9 @@
 //! [`lora::meta`] (rows grouped by adapter slot) → [`lora::ops`] (each row's LoRA delta, on the
 //! CPU backend or in our WGSL kernels). [`device`] picks the backend.
 
+pub mod adapters;
 pub mod device;
 pub mod lora;
 pub mod mapping;
+pub mod model;
 pub mod preprocess;

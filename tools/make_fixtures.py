@@ -162,7 +162,7 @@ def main():
                     a = module.lora_A[name].weight
                     b = module.lora_B[name].weight
                     a.copy_(torch.randn(a.shape, generator=generator) / math.sqrt(a.shape[1]))
-                    b.copy_(0.5 * torch.randn(b.shape, generator=generator))
+                    b.copy_(0.15 * torch.randn(b.shape, generator=generator))
     adapters_dir = ROOT / "adapters"
     for name in ADAPTERS:
         peft_model.save_pretrained(adapters_dir, selected_adapters=[name])

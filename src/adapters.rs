@@ -1,0 +1,364 @@
+//! PEFT LoRA adapters: `adapter_config.json` + `adapter_model.safetensors`, validated against
+//! the model, with the scale folded into B, and stacked into the model's slots.
+//!
+//! Keys look like `base_model.model.visual.blocks.0.attn.qkv.lora_A.weight` (`[r, in]`) and
+//! `….lora_B.weight` (`[out, r]`); newer transformers write `base_model.model.model.visual.…`.
+//! Keys outside the vision tower (a language-model LoRA in the same adapter) are not ours to
+//! run and are skipped. DoRA, `modules_to_save`, bias training, unknown modules, shapes that do
+//! not fit and ranks above `max_rank` are refused with the adapter and key named.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Device, Tensor, TensorData};
+use regex::Regex;
+use safetensors::{Dtype, SafeTensors};
+use serde::Deserialize;
+
+use crate::lora::ops::LoraSlice;
+use crate::model::qwen2_vl::{LoraTarget, Qwen2VlVision};
+
+/// `target_modules`: a list of module-name suffixes or one regex.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(untagged)]
+pub enum TargetModules {
+    /// Suffixes such as `qkv` or `mlp.0`.
+    List(Vec<String>),
+    /// A regex matched against whole module names.
+    Regex(String),
+}
+
+/// The fields of `adapter_config.json` mmlora reads.
+#[derive(Debug, Clone, Deserialize)]
+pub struct AdapterConfig {
+    /// `LORA`.
+    #[serde(default)]
+    pub peft_type: Option<String>,
+    /// Default rank.
+    pub r: usize,
+    /// Default alpha.
+    pub lora_alpha: f64,
+    /// Scale by `alpha/√r` instead of `alpha/r`.
+    #[serde(default)]
+    pub use_rslora: bool,
+    /// Which modules the adapter targets.
+    pub target_modules: Option<TargetModules>,
+    /// Per-module rank overrides (keys are regex suffixes of module names).
+    #[serde(default)]
+    pub rank_pattern: HashMap<String, usize>,
+    /// Per-module alpha overrides.
+    #[serde(default)]
+    pub alpha_pattern: HashMap<String, f64>,
+    /// DoRA (refused).
+    #[serde(default)]
+    pub use_dora: bool,
+    /// Fully trained modules (refused).
+    #[serde(default)]
+    pub modules_to_save: Option<Vec<String>>,
+    /// Bias training (`none` only).
+    #[serde(default)]
+    pub bias: Option<String>,
+}
+
+/// One module's LoRA with the scale folded into B.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModuleLora {
+    /// Rank.
+    pub rank: usize,
+    /// `[rank, in]`, row-major.
+    pub a: Vec<f32>,
+    /// `[out, rank]`, row-major, already multiplied by the scale.
+    pub b: Vec<f32>,
+    /// The scale that was folded in.
+    pub scale: f64,
+}
+
+/// A loaded, validated adapter.
+#[derive(Debug, Clone)]
+pub struct PeftAdapter {
+    /// Its name.
+    pub name: String,
+    /// The folder it came from.
+    pub dir: PathBuf,
+    /// Its configuration.
+    pub config: AdapterConfig,
+    /// LoRA per target path (`blocks.0.attn.qkv`, `merger.mlp.0`, …).
+    pub modules: BTreeMap<String, ModuleLora>,
+}
+
+/// Why an adapter cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum AdapterError {
+    /// A file could not be read.
+    #[error("adapter `{adapter}`: cannot read {path}: {source}")]
+    Io {
+        /// The adapter.
+        adapter: String,
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A file is malformed.
+    #[error("adapter `{adapter}`: {path} is malformed: {reason}")]
+    Format {
+        /// The adapter.
+        adapter: String,
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The adapter asks for something mmlora does not run.
+    #[error("adapter `{adapter}`: {reason}")]
+    Unsupported {
+        /// The adapter.
+        adapter: String,
+        /// What and where.
+        reason: String,
+    },
+    /// A key does not fit the model.
+    #[error("adapter `{adapter}`, key `{key}`: {reason}")]
+    Incompatible {
+        /// The adapter.
+        adapter: String,
+        /// The key.
+        key: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl PeftAdapter {
+    /// Loads and validates the PEFT folder `dir` against `targets`, refusing ranks above
+    /// `max_rank`.
+    pub fn load(
+        name: &str,
+        dir: &Path,
+        targets: &[LoraTarget],
+        max_rank: usize,
+    ) -> Result<Self, AdapterError> {
+        let unsupported = |reason: String| AdapterError::Unsupported {
+            adapter: name.to_owned(),
+            reason,
+        };
+        let config_path = dir.join("adapter_config.json");
+        let text = std::fs::read_to_string(&config_path).map_err(|source| AdapterError::Io {
+            adapter: name.to_owned(),
+            path: config_path.clone(),
+            source,
+        })?;
+        let config: AdapterConfig =
+            serde_json::from_str(&text).map_err(|e| AdapterError::Format {
+                adapter: name.to_owned(),
+                path: config_path.clone(),
+                reason: e.to_string(),
+            })?;
+        if let Some(kind) = config.peft_type.as_deref().filter(|k| *k != "LORA") {
+            return Err(unsupported(format!("peft_type {kind} is not LORA")));
+        }
+        if config.use_dora {
+            return Err(unsupported("DoRA (use_dora) is not supported".to_owned()));
+        }
+        if config
+            .modules_to_save
+            .as_ref()
+            .is_some_and(|m| !m.is_empty())
+        {
+            return Err(unsupported(format!(
+                "modules_to_save {:?} stores full modules, which per-row LoRA cannot serve",
+                config.modules_to_save.as_deref().unwrap_or_default()
+            )));
+        }
+        if let Some(bias) = config.bias.as_deref().filter(|b| *b != "none") {
+            return Err(unsupported(format!(
+                "bias = {bias} (trained biases) is not supported"
+            )));
+        }
+        if config.r == 0 {
+            return Err(unsupported("r is 0".to_owned()));
+        }
+
+        let weights_path = dir.join("adapter_model.safetensors");
+        let bytes = std::fs::read(&weights_path).map_err(|source| AdapterError::Io {
+            adapter: name.to_owned(),
+            path: weights_path.clone(),
+            source,
+        })?;
+        let file = SafeTensors::deserialize(&bytes).map_err(|e| AdapterError::Format {
+            adapter: name.to_owned(),
+            path: weights_path.clone(),
+            reason: e.to_string(),
+        })?;
+        let by_path: HashMap<&str, &LoraTarget> =
+            targets.iter().map(|t| (t.path.as_str(), t)).collect();
+        let incompatible = |key: &str, reason: String| AdapterError::Incompatible {
+            adapter: name.to_owned(),
+            key: key.to_owned(),
+            reason,
+        };
+
+        // Pair up lora_A and lora_B per module.
+        let mut pairs: BTreeMap<String, [Option<String>; 2]> = BTreeMap::new();
+        for key in file.names() {
+            let inner = key.strip_prefix("base_model.model.").unwrap_or(key);
+            let Some(module_key) = inner
+                .strip_prefix("model.visual.")
+                .or_else(|| inner.strip_prefix("visual."))
+            else {
+                continue; // outside the vision tower: not ours to run
+            };
+            let (path, side) = if let Some(path) = module_key.strip_suffix(".lora_A.weight") {
+                (path, 0)
+            } else if let Some(path) = module_key.strip_suffix(".lora_B.weight") {
+                (path, 1)
+            } else {
+                return Err(incompatible(
+                    key,
+                    "not a lora_A/lora_B weight (DoRA magnitudes, biases and embeddings are not supported)"
+                        .to_owned(),
+                ));
+            };
+            if !by_path.contains_key(path) {
+                return Err(incompatible(
+                    key,
+                    format!("`{path}` is not a LoRA target of this model"),
+                ));
+            }
+            pairs.entry(path.to_owned()).or_default()[side] = Some(key.to_owned());
+        }
+        if pairs.is_empty() {
+            return Err(unsupported(format!(
+                "{} holds no LoRA weight for the vision tower or connector",
+                weights_path.display()
+            )));
+        }
+
+        let mut modules = BTreeMap::new();
+        for (path, [a_key, b_key]) in pairs {
+            let target = by_path[path.as_str()];
+            let (Some(a_key), Some(b_key)) = (a_key.clone(), b_key.clone()) else {
+                let present = a_key.or(b_key).unwrap_or_default();
+                return Err(incompatible(
+                    &present,
+                    "its lora_A/lora_B partner is missing".to_owned(),
+                ));
+            };
+            let full_name = format!("model.visual.{path}");
+            let rank = pattern_value(&config.rank_pattern, &full_name).unwrap_or(config.r);
+            let alpha =
+                pattern_value(&config.alpha_pattern, &full_name).unwrap_or(config.lora_alpha);
+            if rank > max_rank {
+                return Err(incompatible(
+                    &a_key,
+                    format!("rank {rank} is above max_rank {max_rank}"),
+                ));
+            }
+            let a = read_f32(&file, &a_key, [rank, target.in_features])
+                .map_err(|reason| incompatible(&a_key, reason))?;
+            let mut b = read_f32(&file, &b_key, [target.out_features, rank])
+                .map_err(|reason| incompatible(&b_key, reason))?;
+            let scale = if config.use_rslora {
+                alpha / (rank as f64).sqrt()
+            } else {
+                alpha / rank as f64
+            };
+            for value in &mut b {
+                *value = (f64::from(*value) * scale) as f32;
+            }
+            modules.insert(path, ModuleLora { rank, a, b, scale });
+        }
+        Ok(Self {
+            name: name.to_owned(),
+            dir: dir.to_owned(),
+            config,
+            modules,
+        })
+    }
+}
+
+/// PEFT's pattern lookup: the first key `k` with `^(.*\.)?k$` matching the module name.
+fn pattern_value<T: Copy>(patterns: &HashMap<String, T>, module: &str) -> Option<T> {
+    let mut keys: Vec<&String> = patterns.keys().collect();
+    keys.sort(); // deterministic when several match
+    keys.into_iter().find_map(|key| {
+        Regex::new(&format!(r"^(.*\.)?(?:{key})$"))
+            .ok()
+            .filter(|re| re.is_match(module))
+            .map(|_| patterns[key])
+    })
+}
+
+/// A tensor's values as f32, checking its shape (f32, f16 and bf16 accepted).
+fn read_f32<const D: usize>(
+    file: &SafeTensors<'_>,
+    key: &str,
+    shape: [usize; D],
+) -> Result<Vec<f32>, String> {
+    let view = file.tensor(key).map_err(|e| e.to_string())?;
+    if view.shape() != shape {
+        return Err(format!(
+            "shape {:?}, the model needs {shape:?}",
+            view.shape()
+        ));
+    }
+    let data = view.data();
+    let values: Vec<f32> = match view.dtype() {
+        Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => data
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        other => return Err(format!("dtype {other:?} is not a float type")),
+    };
+    if values.iter().any(|v| !v.is_finite()) {
+        return Err("holds non-finite values".to_owned());
+    }
+    Ok(values)
+}
+
+/// Stacks the adapters in `slots` (slot `i` holds `slots[i]`, or nothing) into every target
+/// linear of `model`. A layer no slotted adapter covers gets no LoRA at all; smaller ranks are
+/// zero-padded to the largest rank among the adapters covering the layer.
+pub fn install(model: &mut Qwen2VlVision, slots: &[Option<&PeftAdapter>], device: &Device) {
+    for target in model.lora_targets() {
+        let covering: Vec<(usize, &ModuleLora)> = slots
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, adapter)| {
+                Some((slot, adapter.as_ref()?.modules.get(&target.path)?))
+            })
+            .collect();
+        let slice = (!covering.is_empty()).then(|| {
+            let rank = covering.iter().map(|(_, m)| m.rank).max().unwrap_or(1);
+            let (n, inp, out) = (slots.len(), target.in_features, target.out_features);
+            let mut a = vec![0.0f32; n * rank * inp];
+            let mut b = vec![0.0f32; n * out * rank];
+            for (slot, module) in covering {
+                // A: the adapter's rows on top, the rest zero.
+                a[slot * rank * inp..][..module.rank * inp].copy_from_slice(&module.a);
+                // B: the adapter's columns on the left of each row, the rest zero.
+                for o in 0..out {
+                    b[(slot * out + o) * rank..][..module.rank]
+                        .copy_from_slice(&module.b[o * module.rank..(o + 1) * module.rank]);
+                }
+            }
+            LoraSlice {
+                a: Tensor::from_data(TensorData::new(a, [n, rank, inp]), device),
+                b: Tensor::from_data(TensorData::new(b, [n, out, rank]), device),
+                offset: 0,
+            }
+        });
+        model
+            .target_mut(&target.path)
+            .expect("lora_targets lists the model's own layers")
+            .set_lora(slice);
+    }
+}

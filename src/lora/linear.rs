@@ -1,0 +1,50 @@
+//! A linear layer with per-row LoRA: `y = x·Wᵀ + b`, then each row's adapter delta.
+
+use burn::tensor::Tensor;
+
+use super::ops::{LoraBatch, LoraOpError, LoraSlice, lora_apply};
+
+/// A base linear plus the adapters stacked in its slots (none until adapters are activated).
+#[derive(Debug, Clone)]
+pub struct LoraLinear {
+    /// `Wᵀ`: `[in, out]`.
+    weight_t: Tensor<2>,
+    /// `[out]`.
+    bias: Option<Tensor<1>>,
+    /// The stacked adapters, one slice covering the whole output (packed `qkv` included).
+    lora: Option<LoraSlice>,
+}
+
+impl LoraLinear {
+    /// A layer from a checkpoint's `weight` (`[out, in]`) and `bias`.
+    pub fn new(weight: Tensor<2>, bias: Option<Tensor<1>>) -> Self {
+        Self {
+            weight_t: weight.transpose(),
+            bias,
+            lora: None,
+        }
+    }
+
+    /// `(in, out)`.
+    pub fn dims(&self) -> (usize, usize) {
+        let [input, output] = self.weight_t.dims();
+        (input, output)
+    }
+
+    /// Installs the stacked adapter weights (`None`: no adapter in any slot).
+    pub fn set_lora(&mut self, lora: Option<LoraSlice>) {
+        self.lora = lora;
+    }
+
+    /// The layer on `x` (`[rows, in]`), each row with the adapter of its slot in `batch`.
+    pub fn forward(&self, x: Tensor<2>, batch: &LoraBatch) -> Result<Tensor<2>, LoraOpError> {
+        let mut y = x.clone().matmul(self.weight_t.clone());
+        if let Some(bias) = &self.bias {
+            y = y + bias.clone().unsqueeze();
+        }
+        match &self.lora {
+            Some(slice) => lora_apply(x, y, std::slice::from_ref(slice), batch),
+            None => Ok(y),
+        }
+    }
+}

@@ -1,0 +1,201 @@
+//! Hugging Face safetensors checkpoints: one file or shards with `model.safetensors.index.json`.
+//!
+//! Files are memory-mapped and only the tensors asked for are converted, so the language
+//! model's shards of a VLM checkpoint are never read. `f32`, `f16` and `bf16` on disk become
+//! `f32` tensors.
+
+use std::collections::{BTreeSet, HashMap};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Device, Tensor, TensorData};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+use serde::Deserialize;
+
+/// Errors reading a checkpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// A file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A file is not valid safetensors, or the index is malformed.
+    #[error("{path} is not a valid checkpoint file: {reason}")]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The folder holds no `model.safetensors` nor an index.
+    #[error("{dir} holds neither model.safetensors nor model.safetensors.index.json")]
+    NoWeights {
+        /// The folder.
+        dir: PathBuf,
+    },
+    /// A tensor the model needs is missing.
+    #[error("tensor `{key}` is missing from the checkpoint in {dir}")]
+    Missing {
+        /// The key (without the `visual.` / `model.visual.` choice).
+        key: String,
+        /// The folder.
+        dir: PathBuf,
+    },
+    /// A tensor has the wrong shape or an unsupported dtype.
+    #[error("tensor `{key}` in {path} is {found}, expected {expected}")]
+    Mismatch {
+        /// The key.
+        key: String,
+        /// The file.
+        path: PathBuf,
+        /// What it is.
+        found: String,
+        /// What the model needs.
+        expected: String,
+    },
+}
+
+#[derive(Deserialize)]
+struct Index {
+    weight_map: HashMap<String, String>,
+}
+
+/// An opened checkpoint folder.
+pub struct Checkpoint {
+    dir: PathBuf,
+    /// Which file holds each key.
+    locations: HashMap<String, PathBuf>,
+    /// Files mapped so far.
+    maps: HashMap<PathBuf, Mmap>,
+}
+
+impl Checkpoint {
+    /// Opens `dir`: reads the index (or the single file's header), maps nothing else yet.
+    pub fn open(dir: &Path) -> Result<Self, CheckpointError> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let mut checkpoint = Self {
+            dir: dir.to_owned(),
+            locations: HashMap::new(),
+            maps: HashMap::new(),
+        };
+        if index_path.exists() {
+            let text =
+                std::fs::read_to_string(&index_path).map_err(|source| CheckpointError::Io {
+                    path: index_path.clone(),
+                    source,
+                })?;
+            let index: Index =
+                serde_json::from_str(&text).map_err(|e| CheckpointError::Format {
+                    path: index_path.clone(),
+                    reason: e.to_string(),
+                })?;
+            for (key, file) in index.weight_map {
+                checkpoint.locations.insert(key, dir.join(file));
+            }
+        } else if single.exists() {
+            let keys: Vec<String> = checkpoint
+                .map(&single)?
+                .names()
+                .into_iter()
+                .map(str::to_owned)
+                .collect();
+            for key in keys {
+                checkpoint.locations.insert(key, single.clone());
+            }
+        } else {
+            return Err(CheckpointError::NoWeights {
+                dir: dir.to_owned(),
+            });
+        }
+        Ok(checkpoint)
+    }
+
+    /// The files actually read so far (the shards that hold requested tensors).
+    pub fn files_read(&self) -> BTreeSet<PathBuf> {
+        self.maps.keys().cloned().collect()
+    }
+
+    /// Whether the checkpoint has `key`.
+    pub fn contains(&self, key: &str) -> bool {
+        self.locations.contains_key(key)
+    }
+
+    fn map(&mut self, path: &Path) -> Result<SafeTensors<'_>, CheckpointError> {
+        if !self.maps.contains_key(path) {
+            let file = File::open(path).map_err(|source| CheckpointError::Io {
+                path: path.to_owned(),
+                source,
+            })?;
+            // Safety: the file is only read; a checkpoint changing under a running process is
+            // outside what any loader can defend against.
+            let map = unsafe { Mmap::map(&file) }.map_err(|source| CheckpointError::Io {
+                path: path.to_owned(),
+                source,
+            })?;
+            self.maps.insert(path.to_owned(), map);
+        }
+        SafeTensors::deserialize(&self.maps[path]).map_err(|e| CheckpointError::Format {
+            path: path.to_owned(),
+            reason: e.to_string(),
+        })
+    }
+
+    /// Reads tensor `key` with shape `shape` as f32 on `device`.
+    pub fn tensor<const D: usize>(
+        &mut self,
+        key: &str,
+        shape: [usize; D],
+        device: &Device,
+    ) -> Result<Tensor<D>, CheckpointError> {
+        let path = self
+            .locations
+            .get(key)
+            .cloned()
+            .ok_or_else(|| CheckpointError::Missing {
+                key: key.to_owned(),
+                dir: self.dir.clone(),
+            })?;
+        let file = self.map(&path)?;
+        let view = file.tensor(key).map_err(|e| CheckpointError::Format {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        let mismatch = |found: String| CheckpointError::Mismatch {
+            key: key.to_owned(),
+            path: path.clone(),
+            found,
+            expected: format!("f32/f16/bf16 {shape:?}"),
+        };
+        if view.shape().iter().product::<usize>() != shape.iter().product::<usize>()
+            || (view.shape().len() == D && view.shape() != shape)
+        {
+            return Err(mismatch(format!("{:?} {:?}", view.dtype(), view.shape())));
+        }
+        let bytes = view.data();
+        let values: Vec<f32> = match view.dtype() {
+            Dtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => return Err(mismatch(format!("{other:?} {:?}", view.shape()))),
+        };
+        if let Some(bad) = values.iter().position(|v| !v.is_finite()) {
+            return Err(mismatch(format!("non-finite at element {bad}")));
+        }
+        Ok(Tensor::from_data(TensorData::new(values, shape), device))
+    }
+}

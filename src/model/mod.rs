@@ -1,0 +1,4 @@
+//! Vision towers and connectors as Burn modules on the runtime device.
+
+pub mod checkpoint;
+pub mod qwen2_vl;

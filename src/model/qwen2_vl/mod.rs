@@ -1,0 +1,337 @@
+//! Qwen2-VL's vision tower and its PatchMerger connector, with a LoRA slot on every target
+//! linear (`blocks.*.attn.qkv`, `attn.proj`, `mlp.fc1`, `mlp.fc2`, `merger.mlp.0`,
+//! `merger.mlp.2`). Numbers follow transformers' `Qwen2VisionTransformerPretrainedModel`.
+
+pub mod config;
+mod rotary;
+
+use std::path::Path;
+
+use burn::tensor::activation::{gelu, sigmoid, softmax};
+use burn::tensor::{Device, Tensor, TensorData};
+
+use crate::lora::linear::LoraLinear;
+use crate::lora::ops::{LoraBatch, LoraOpError};
+use crate::model::checkpoint::{Checkpoint, CheckpointError};
+pub use config::{ConfigError, VisionConfig};
+
+/// LayerNorm epsilon of every norm in the tower and merger.
+const LAYER_NORM_EPS: f64 = 1e-6;
+
+/// Errors loading or running the model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// `config.json` is unreadable or unsupported.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The weights are unreadable, missing or mis-shaped.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// The LoRA op refused its inputs.
+    #[error(transparent)]
+    Lora(#[from] LoraOpError),
+    /// The pixel values do not match the grids.
+    #[error("{0}")]
+    Input(String),
+}
+
+/// A layer norm's affine parameters.
+#[derive(Debug, Clone)]
+struct LayerNorm {
+    weight: Tensor<1>,
+    bias: Tensor<1>,
+}
+
+impl LayerNorm {
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let mean = x.clone().mean_dim(1);
+        let centered = x - mean;
+        let var = centered.clone().square().mean_dim(1);
+        centered / (var + LAYER_NORM_EPS).sqrt() * self.weight.clone().unsqueeze()
+            + self.bias.clone().unsqueeze()
+    }
+}
+
+/// One transformer block.
+#[derive(Debug, Clone)]
+struct Block {
+    norm1: LayerNorm,
+    norm2: LayerNorm,
+    qkv: LoraLinear,
+    proj: LoraLinear,
+    fc1: LoraLinear,
+    fc2: LoraLinear,
+}
+
+/// The PatchMerger: LayerNorm, 2×2 rows into one, MLP.
+#[derive(Debug, Clone)]
+struct Merger {
+    ln_q: LayerNorm,
+    mlp0: LoraLinear,
+    mlp2: LoraLinear,
+}
+
+/// A LoRA target linear: its module path (as in PEFT keys after `visual.`) and shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraTarget {
+    /// e.g. `blocks.3.attn.qkv` or `merger.mlp.0`.
+    pub path: String,
+    /// Input width.
+    pub in_features: usize,
+    /// Output width.
+    pub out_features: usize,
+    /// Whether the CONNECTOR mapping feeds it (else the TOWER mapping).
+    pub connector: bool,
+}
+
+/// The tower's and the connector's outputs for a batch.
+#[derive(Debug, Clone)]
+pub struct VisionOutput {
+    /// `[tower rows, embed_dim]`: the last block's output.
+    pub tower: Tensor<2>,
+    /// `[tower rows / merge², hidden_size]`: the connector's output.
+    pub embeds: Tensor<2>,
+}
+
+/// Qwen2-VL's vision tower and connector.
+#[derive(Debug, Clone)]
+pub struct Qwen2VlVision {
+    config: VisionConfig,
+    /// `[patch_len, embed_dim]`: the Conv3d as a linear.
+    patch_embed_t: Tensor<2>,
+    blocks: Vec<Block>,
+    merger: Merger,
+    device: Device,
+}
+
+impl Qwen2VlVision {
+    /// Loads the vision weights of the checkpoint in `dir` (`visual.*` or `model.visual.*`).
+    pub fn load(dir: &Path, device: &Device) -> Result<Self, ModelError> {
+        let config = VisionConfig::from_model_dir(dir)?;
+        let mut ckpt = Checkpoint::open(dir)?;
+        let prefix = if ckpt.contains("model.visual.patch_embed.proj.weight") {
+            "model.visual."
+        } else {
+            "visual."
+        };
+        let (d, hidden) = (config.embed_dim, config.hidden_size);
+        let mlp = d * config.mlp_ratio;
+        let merged = d * config.spatial_merge_size * config.spatial_merge_size;
+        let mut linear = |name: &str, out: usize, inp: usize| -> Result<LoraLinear, ModelError> {
+            let weight = ckpt.tensor(&format!("{prefix}{name}.weight"), [out, inp], device)?;
+            let bias = ckpt.tensor(&format!("{prefix}{name}.bias"), [out], device)?;
+            Ok(LoraLinear::new(weight, Some(bias)))
+        };
+        let mut blocks = Vec::with_capacity(config.depth);
+        for i in 0..config.depth {
+            let b = format!("blocks.{i}");
+            blocks.push((
+                linear(&format!("{b}.attn.qkv"), 3 * d, d)?,
+                linear(&format!("{b}.attn.proj"), d, d)?,
+                linear(&format!("{b}.mlp.fc1"), mlp, d)?,
+                linear(&format!("{b}.mlp.fc2"), d, mlp)?,
+            ));
+        }
+        let mlp0 = linear("merger.mlp.0", merged, merged)?;
+        let mlp2 = linear("merger.mlp.2", hidden, merged)?;
+        let mut norm = |name: &str| -> Result<LayerNorm, ModelError> {
+            Ok(LayerNorm {
+                weight: ckpt.tensor(&format!("{prefix}{name}.weight"), [d], device)?,
+                bias: ckpt.tensor(&format!("{prefix}{name}.bias"), [d], device)?,
+            })
+        };
+        let blocks = blocks
+            .into_iter()
+            .enumerate()
+            .map(|(i, (qkv, proj, fc1, fc2))| {
+                Ok(Block {
+                    norm1: norm(&format!("blocks.{i}.norm1"))?,
+                    norm2: norm(&format!("blocks.{i}.norm2"))?,
+                    qkv,
+                    proj,
+                    fc1,
+                    fc2,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let merger = Merger {
+            ln_q: norm("merger.ln_q")?,
+            mlp0,
+            mlp2,
+        };
+        let patch_embed: Tensor<2> = ckpt.tensor(
+            &format!("{prefix}patch_embed.proj.weight"),
+            [d, config.patch_len()],
+            device,
+        )?;
+        Ok(Self {
+            patch_embed_t: patch_embed.transpose(),
+            config,
+            blocks,
+            merger,
+            device: device.clone(),
+        })
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &VisionConfig {
+        &self.config
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Every LoRA target linear, in a fixed order.
+    pub fn lora_targets(&self) -> Vec<LoraTarget> {
+        self.targets()
+            .into_iter()
+            .map(|(path, layer, connector)| {
+                let (in_features, out_features) = layer.dims();
+                LoraTarget {
+                    path,
+                    in_features,
+                    out_features,
+                    connector,
+                }
+            })
+            .collect()
+    }
+
+    fn targets(&self) -> Vec<(String, &LoraLinear, bool)> {
+        let mut targets = Vec::new();
+        for (i, b) in self.blocks.iter().enumerate() {
+            for (name, layer) in [
+                ("attn.qkv", &b.qkv),
+                ("attn.proj", &b.proj),
+                ("mlp.fc1", &b.fc1),
+                ("mlp.fc2", &b.fc2),
+            ] {
+                targets.push((format!("blocks.{i}.{name}"), layer, false));
+            }
+        }
+        targets.push(("merger.mlp.0".to_owned(), &self.merger.mlp0, true));
+        targets.push(("merger.mlp.2".to_owned(), &self.merger.mlp2, true));
+        targets
+    }
+
+    /// The target linear at `path` (as listed by [`Self::lora_targets`]).
+    pub fn target_mut(&mut self, path: &str) -> Option<&mut LoraLinear> {
+        if let Some(rest) = path.strip_prefix("merger.") {
+            return match rest {
+                "mlp.0" => Some(&mut self.merger.mlp0),
+                "mlp.2" => Some(&mut self.merger.mlp2),
+                _ => None,
+            };
+        }
+        let rest = path.strip_prefix("blocks.")?;
+        let (index, name) = rest.split_once('.')?;
+        let block = self.blocks.get_mut(index.parse::<usize>().ok()?)?;
+        match name {
+            "attn.qkv" => Some(&mut block.qkv),
+            "attn.proj" => Some(&mut block.proj),
+            "mlp.fc1" => Some(&mut block.fc1),
+            "mlp.fc2" => Some(&mut block.fc2),
+            _ => None,
+        }
+    }
+
+    /// Runs the tower and the connector over every image of the batch at once.
+    ///
+    /// `pixel_values`: `[rows, patch_len]`, the images' patches one after the other;
+    /// `grids`: each image's `(t, h, w)`; `tower` and `connector`: the LoRA metadata of the
+    /// tower rows and of the merged rows (row for row, as the mapping builder lays them out).
+    pub fn forward(
+        &self,
+        pixel_values: Tensor<2>,
+        grids: &[[usize; 3]],
+        tower: &LoraBatch,
+        connector: &LoraBatch,
+    ) -> Result<VisionOutput, ModelError> {
+        let [rows, len] = pixel_values.dims();
+        let expected_rows: usize = grids.iter().map(|g| g.iter().product::<usize>()).sum();
+        let m = self.config.spatial_merge_size;
+        if len != self.config.patch_len() || rows != expected_rows {
+            return Err(ModelError::Input(format!(
+                "pixel values are [{rows}, {len}] but the grids need [{expected_rows}, {}]",
+                self.config.patch_len()
+            )));
+        }
+        if let Some(g) = grids.iter().find(|g| g[1] % m != 0 || g[2] % m != 0) {
+            return Err(ModelError::Input(format!(
+                "grid {g:?} is not a multiple of the merge size {m}"
+            )));
+        }
+        let (cos, sin) = rotary::cos_sin(grids, &self.config, &self.device);
+        // Each frame of each image attends only to itself.
+        let segments: Vec<usize> = grids
+            .iter()
+            .flat_map(|&[t, h, w]| std::iter::repeat_n(h * w, t))
+            .collect();
+
+        let mut x = pixel_values.matmul(self.patch_embed_t.clone());
+        for block in &self.blocks {
+            let attended = self.attention(
+                block,
+                block.norm1.forward(x.clone()),
+                &cos,
+                &sin,
+                &segments,
+                tower,
+            )?;
+            x = x + attended;
+            let hidden = block.fc1.forward(block.norm2.forward(x.clone()), tower)?;
+            let hidden = hidden.clone() * sigmoid(hidden * 1.702); // QuickGELU
+            x = x + block.fc2.forward(hidden, tower)?;
+        }
+        let merged = self
+            .merger
+            .ln_q
+            .forward(x.clone())
+            .reshape([rows / (m * m), self.config.embed_dim * m * m]);
+        let hidden = gelu(self.merger.mlp0.forward(merged, connector)?);
+        let embeds = self.merger.mlp2.forward(hidden, connector)?;
+        Ok(VisionOutput { tower: x, embeds })
+    }
+
+    fn attention(
+        &self,
+        block: &Block,
+        x: Tensor<2>,
+        cos: &Tensor<3>,
+        sin: &Tensor<3>,
+        segments: &[usize],
+        tower: &LoraBatch,
+    ) -> Result<Tensor<2>, ModelError> {
+        let [rows, d] = x.dims();
+        let (heads, hd) = (self.config.num_heads, self.config.head_dim());
+        let qkv = block.qkv.forward(x, tower)?.reshape([rows, 3, heads, hd]);
+        let part = |i: usize| {
+            qkv.clone()
+                .slice([0..rows, i..i + 1])
+                .reshape([rows, heads, hd])
+        };
+        let q = rotary::apply(part(0), cos, sin);
+        let k = rotary::apply(part(1), cos, sin);
+        let v = part(2);
+        let scale = (hd as f64).powf(-0.5);
+        let mut outputs = Vec::with_capacity(segments.len());
+        let mut start = 0;
+        for &len in segments {
+            let span = start..start + len;
+            let q_s = q.clone().slice(span.clone()).swap_dims(0, 1); // [heads, len, hd]
+            let k_s = k.clone().slice(span.clone()).swap_dims(0, 1);
+            let v_s = v.clone().slice(span).swap_dims(0, 1);
+            let weights = softmax(q_s.matmul(k_s.swap_dims(1, 2)) * scale, 2);
+            outputs.push(weights.matmul(v_s).swap_dims(0, 1).reshape([len, d]));
+            start += len;
+        }
+        Ok(block.proj.forward(Tensor::cat(outputs, 0), tower)?)
+    }
+}
+
+/// Uploads host values as a `[rows, cols]` tensor.
+fn host_tensor(values: Vec<f32>, shape: [usize; 3], device: &Device) -> Tensor<3> {
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
