@@ -4,11 +4,12 @@
 //! model's shards of a VLM checkpoint are never read. `f32`, `f16` and `bf16` on disk become
 //! `f32` tensors.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{Device, Tensor, TensorData};
+use indicatif::{ProgressBar, ProgressStyle};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
@@ -72,6 +73,8 @@ pub struct Checkpoint {
     locations: HashMap<String, PathBuf>,
     /// Files mapped so far.
     maps: HashMap<PathBuf, Mmap>,
+    /// Tensors read, shown on a terminal (hidden otherwise).
+    progress: ProgressBar,
 }
 
 impl Checkpoint {
@@ -83,6 +86,7 @@ impl Checkpoint {
             dir: dir.to_owned(),
             locations: HashMap::new(),
             maps: HashMap::new(),
+            progress: ProgressBar::hidden(),
         };
         if index_path.exists() {
             let text =
@@ -116,9 +120,13 @@ impl Checkpoint {
         Ok(checkpoint)
     }
 
-    /// The files actually read so far (the shards that hold requested tensors).
-    pub fn files_read(&self) -> BTreeSet<PathBuf> {
-        self.maps.keys().cloned().collect()
+    /// Shows a progress bar on stderr for the next `tensors` reads (only on a terminal).
+    pub fn show_progress(&mut self, tensors: u64) {
+        let bar = ProgressBar::new(tensors).with_message(format!("loading {}", self.dir.display()));
+        if let Ok(style) = ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} tensors") {
+            bar.set_style(style);
+        }
+        self.progress = bar;
     }
 
     /// Whether the checkpoint has `key`.
@@ -195,6 +203,10 @@ impl Checkpoint {
         };
         if let Some(bad) = values.iter().position(|v| !v.is_finite()) {
             return Err(mismatch(format!("non-finite at element {bad}")));
+        }
+        self.progress.inc(1);
+        if self.progress.position() == self.progress.length().unwrap_or(0) {
+            self.progress.finish_and_clear();
         }
         Ok(Tensor::from_data(TensorData::new(values, shape), device))
     }

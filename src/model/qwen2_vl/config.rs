@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 /// The vision tower's shape (`vision_config`).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VisionConfig {
     /// Transformer blocks.
     pub depth: usize,
@@ -14,50 +14,60 @@ pub struct VisionConfig {
     /// Width of the connector's output (the language model's hidden size).
     pub hidden_size: usize,
     /// MLP width as a multiple of `embed_dim`.
-    #[serde(default = "default_mlp_ratio")]
     pub mlp_ratio: usize,
     /// Attention heads.
     pub num_heads: usize,
-    /// Input channels (`in_chans` on the hub).
-    #[serde(alias = "in_chans", default = "default_in_channels")]
+    /// Input channels.
     pub in_channels: usize,
-    /// Patch side (`spatial_patch_size` on the hub).
-    #[serde(alias = "spatial_patch_size", default = "default_patch_size")]
+    /// Patch side.
     pub patch_size: usize,
     /// Side of the merge block.
-    #[serde(default = "default_merge")]
     pub spatial_merge_size: usize,
     /// Frames per patch.
-    #[serde(default = "default_temporal")]
     pub temporal_patch_size: usize,
     /// Activation of the MLP.
-    #[serde(default = "default_act")]
     pub hidden_act: String,
 }
 
-fn default_mlp_ratio() -> usize {
-    4
+/// `vision_config` as written on the hub (`in_chans`, `spatial_patch_size`) or by transformers
+/// (`in_channels`, `patch_size`); hub files carry both patch spellings.
+#[derive(Deserialize)]
+struct RawVision {
+    depth: usize,
+    embed_dim: usize,
+    hidden_size: usize,
+    mlp_ratio: Option<usize>,
+    num_heads: usize,
+    in_channels: Option<usize>,
+    in_chans: Option<usize>,
+    patch_size: Option<usize>,
+    spatial_patch_size: Option<usize>,
+    spatial_merge_size: Option<usize>,
+    temporal_patch_size: Option<usize>,
+    hidden_act: Option<String>,
 }
-fn default_in_channels() -> usize {
-    3
-}
-fn default_patch_size() -> usize {
-    14
-}
-fn default_merge() -> usize {
-    2
-}
-fn default_temporal() -> usize {
-    2
-}
-fn default_act() -> String {
-    "quick_gelu".to_owned()
+
+impl From<RawVision> for VisionConfig {
+    fn from(raw: RawVision) -> Self {
+        Self {
+            depth: raw.depth,
+            embed_dim: raw.embed_dim,
+            hidden_size: raw.hidden_size,
+            mlp_ratio: raw.mlp_ratio.unwrap_or(4),
+            num_heads: raw.num_heads,
+            in_channels: raw.in_channels.or(raw.in_chans).unwrap_or(3),
+            patch_size: raw.patch_size.or(raw.spatial_patch_size).unwrap_or(14),
+            spatial_merge_size: raw.spatial_merge_size.unwrap_or(2),
+            temporal_patch_size: raw.temporal_patch_size.unwrap_or(2),
+            hidden_act: raw.hidden_act.unwrap_or_else(|| "quick_gelu".to_owned()),
+        }
+    }
 }
 
 #[derive(Deserialize)]
 struct ConfigFile {
     model_type: Option<String>,
-    vision_config: Option<VisionConfig>,
+    vision_config: Option<RawVision>,
 }
 
 /// Errors reading `config.json`.
@@ -102,12 +112,13 @@ impl VisionConfig {
                 )));
             }
         }
-        let config = file
+        let config: VisionConfig = file
             .vision_config
-            .ok_or_else(|| invalid("no vision_config".to_owned()))?;
+            .ok_or_else(|| invalid("no vision_config".to_owned()))?
+            .into();
         if config.num_heads == 0
-            || config.embed_dim % config.num_heads != 0
-            || (config.embed_dim / config.num_heads) % 4 != 0
+            || !config.embed_dim.is_multiple_of(config.num_heads)
+            || !(config.embed_dim / config.num_heads).is_multiple_of(4)
         {
             return Err(invalid(format!(
                 "embed_dim {} over {} heads does not give a head width divisible by 4",
@@ -131,5 +142,48 @@ impl VisionConfig {
     /// Values per patch row.
     pub fn patch_len(&self) -> usize {
         self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> Result<VisionConfig, ConfigError> {
+        let dir = tempfile::TempDir::new().unwrap();
+        std::fs::write(dir.path().join("config.json"), json).unwrap();
+        VisionConfig::from_model_dir(dir.path())
+    }
+
+    #[test]
+    fn hub_and_transformers_spellings_both_parse() {
+        // The hub's Qwen2-VL-2B file carries `patch_size` and `spatial_patch_size` together.
+        let hub = parse(
+            r#"{"model_type": "qwen2_vl", "vision_config": {"depth": 32, "embed_dim": 1280,
+            "mlp_ratio": 4, "num_heads": 16, "in_chans": 3, "hidden_size": 1536,
+            "patch_size": 14, "spatial_merge_size": 2, "spatial_patch_size": 14,
+            "temporal_patch_size": 2}}"#,
+        )
+        .unwrap();
+        let transformers = parse(
+            r#"{"model_type": "qwen2_vl", "vision_config": {"depth": 32, "embed_dim": 1280,
+            "num_heads": 16, "in_channels": 3, "hidden_size": 1536, "hidden_act": "quick_gelu"}}"#,
+        )
+        .unwrap();
+        assert_eq!(hub, transformers);
+        assert_eq!((hub.head_dim(), hub.patch_len()), (80, 1176));
+    }
+
+    #[test]
+    fn other_models_and_odd_shapes_are_refused() {
+        let error = parse(r#"{"model_type": "llava"}"#).unwrap_err();
+        assert!(error.to_string().contains("llava"), "{error}");
+        let error = parse(
+            r#"{"model_type": "qwen2_vl", "vision_config": {"depth": 1, "embed_dim": 30,
+            "num_heads": 3, "hidden_size": 8}}"#,
+        )
+        .unwrap_err();
+        assert!(error.to_string().contains("divisible by 4"), "{error}");
+        assert!(parse("{").is_err());
     }
 }

@@ -114,6 +114,8 @@ impl Qwen2VlVision {
         } else {
             "visual."
         };
+        // Per block: 2 norms and 4 linears (weight + bias each); merger: 1 norm, 2 linears.
+        ckpt.show_progress((config.depth * 12 + 7) as u64);
         let (d, hidden) = (config.embed_dim, config.hidden_size);
         let mlp = d * config.mlp_ratio;
         let merged = d * config.spatial_merge_size * config.spatial_merge_size;
