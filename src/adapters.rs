@@ -12,10 +12,11 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::{Device, Tensor, TensorData};
 use regex::Regex;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::SafeTensors;
 use serde::Deserialize;
 
 use crate::lora::ops::LoraSlice;
+use crate::model::checkpoint::float_values;
 use crate::model::qwen2_vl::{LoraTarget, Qwen2VlVision};
 
 /// `target_modules`: a list of module-name suffixes or one regex.
@@ -302,26 +303,7 @@ fn read_f32<const D: usize>(
             view.shape()
         ));
     }
-    let data = view.data();
-    let values: Vec<f32> = match view.dtype() {
-        Dtype::F32 => data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::F16 => data
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => data
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        other => return Err(format!("dtype {other:?} is not a float type")),
-    };
-    if values.iter().any(|v| !v.is_finite()) {
-        return Err("holds non-finite values".to_owned());
-    }
-    Ok(values)
+    float_values(&view)
 }
 
 /// Stacks the adapters in `slots` (slot `i` holds `slots[i]`, or nothing) into every target

@@ -96,8 +96,8 @@ pub fn describe(info: &wgpu::AdapterInfo) -> String {
 
 /// The GPU for tests: `None` (the test returns early, saying so) when wgpu finds no adapter,
 /// except under `CI=true`, where a missing adapter fails the test.
-#[cfg(test)]
-pub(crate) fn gpu_for_tests() -> Option<RuntimeDevice> {
+#[doc(hidden)]
+pub fn gpu_for_tests() -> Option<RuntimeDevice> {
     match gpu() {
         Ok(gpu) => Some(gpu),
         Err(error) if std::env::var("CI").as_deref() == Ok("true") => {

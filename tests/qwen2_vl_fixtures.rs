@@ -205,7 +205,7 @@ fn mixed_adapter_batch_matches_peft_on_cpu() {
 
 #[test]
 fn mixed_adapter_batch_matches_peft_on_wgpu() {
-    let Some(gpu) = gpu_for_tests() else {
+    let Some(gpu) = device::gpu_for_tests() else {
         return;
     };
     // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4.
@@ -214,7 +214,7 @@ fn mixed_adapter_batch_matches_peft_on_wgpu() {
 
 #[test]
 fn base_model_matches_transformers_on_wgpu() {
-    let Some(gpu) = gpu_for_tests() else {
+    let Some(gpu) = device::gpu_for_tests() else {
         return;
     };
     base_model_matches(&gpu, 1e-4);
@@ -234,18 +234,4 @@ fn the_fixture_adapters_move_the_output() {
         .sum();
     let norm: f64 = without.iter().map(|b| f64::from(*b).powi(2)).sum();
     assert!((moved / norm).sqrt() > 0.1);
-}
-
-/// The GPU, or `None` outside CI when wgpu finds no adapter (under `CI=true` that fails).
-fn gpu_for_tests() -> Option<RuntimeDevice> {
-    match device::gpu() {
-        Ok(gpu) => Some(gpu),
-        Err(error) if std::env::var("CI").as_deref() == Ok("true") => {
-            panic!("CI=true requires a GPU adapter (lavapipe in CI): {error}")
-        }
-        Err(error) => {
-            eprintln!("no GPU adapter, GPU test not run: {error}");
-            None
-        }
-    }
 }

@@ -185,29 +185,36 @@ impl Checkpoint {
         {
             return Err(mismatch(format!("{:?} {:?}", view.dtype(), view.shape())));
         }
-        let bytes = view.data();
-        let values: Vec<f32> = match view.dtype() {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            other => return Err(mismatch(format!("{other:?} {:?}", view.shape()))),
-        };
-        if let Some(bad) = values.iter().position(|v| !v.is_finite()) {
-            return Err(mismatch(format!("non-finite at element {bad}")));
-        }
+        let values = float_values(&view).map_err(mismatch)?;
         self.progress.inc(1);
         if self.progress.position() == self.progress.length().unwrap_or(0) {
             self.progress.finish_and_clear();
         }
         Ok(Tensor::from_data(TensorData::new(values, shape), device))
+    }
+}
+
+/// A float tensor's values widened to f32 (f32, f16 and bf16 on disk); non-finite values and
+/// other dtypes are refused, with the reason.
+pub fn float_values(view: &safetensors::tensor::TensorView<'_>) -> Result<Vec<f32>, String> {
+    let bytes = view.data();
+    let values: Vec<f32> = match view.dtype() {
+        Dtype::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        other => return Err(format!("dtype {other:?} {:?}", view.shape())),
+    };
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(bad) => Err(format!("non-finite value at element {bad}")),
+        None => Ok(values),
     }
 }
