@@ -6,9 +6,12 @@ mod common;
 use std::fs;
 use std::path::Path;
 
+use burn::tensor::{Distribution, Tensor};
 use common::fixture_dir;
 use mmlora::adapters::{AdapterError, PeftAdapter};
 use mmlora::device;
+use mmlora::lora::meta::{KernelMeta, NO_SLOT};
+use mmlora::lora::ops::LoraBatch;
 use mmlora::model::checkpoint::CheckpointError;
 use mmlora::model::qwen2_vl::{ModelError, Qwen2VlVision};
 use safetensors::{Dtype, SafeTensors, View, serialize};
@@ -232,4 +235,57 @@ fn ranks_above_max_rank_are_refused() {
     let error = PeftAdapter::load("rslora-r8", &dir, &model.lora_targets(), 4).unwrap_err();
     assert!(error.to_string().contains("max_rank 4"), "{error}");
     assert!(PeftAdapter::load("rslora-r8", &dir, &model.lora_targets(), 8).is_ok());
+}
+
+#[test]
+fn a_single_file_checkpoint_with_the_old_prefix_loads_the_same_model() {
+    let tmp = TempDir::new().unwrap();
+    let dir = tmp.path();
+    fs::copy(fixture_dir().join("config.json"), dir.join("config.json")).unwrap();
+    // Merge both shards into one `model.safetensors` with keys `visual.*` (older transformers).
+    let single = dir.join("model.safetensors");
+    fs::copy(
+        fixture_dir().join("model-00001-of-00002.safetensors"),
+        &single,
+    )
+    .unwrap();
+    let rest = fs::read(fixture_dir().join("model-00002-of-00002.safetensors")).unwrap();
+    let rest = SafeTensors::deserialize(&rest).unwrap();
+    let extra: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = rest
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    let first = std::cell::Cell::new(true);
+    rewrite(&single, |n, d, s, b| {
+        let mut out = keep(&n.replacen("model.visual.", "visual.", 1), d, s, b);
+        if first.replace(false) {
+            out.extend(extra.iter().map(|(n, d, s, b)| {
+                (
+                    n.replacen("model.visual.", "visual.", 1),
+                    *d,
+                    s.clone(),
+                    b.clone(),
+                )
+            }));
+        }
+        out
+    });
+    let old = load_model(dir).unwrap();
+    let new = load_model(&fixture_dir()).unwrap();
+    let cpu = device::cpu();
+    let x = Tensor::<2>::random([16, 1176], Distribution::Default, &cpu.device);
+    let none = |n| {
+        LoraBatch::new(
+            KernelMeta::from_token_slots(vec![NO_SLOT; n], 1).unwrap(),
+            &cpu.device,
+        )
+    };
+    let run = |m: &Qwen2VlVision| {
+        m.forward(x.clone(), &[[1, 4, 4]], &none(16), &none(4))
+            .unwrap()
+            .embeds
+            .into_data()
+    };
+    run(&old).assert_eq(&run(&new), true);
 }
