@@ -333,7 +333,7 @@ impl Qwen2VlVision {
     }
 }
 
-/// Uploads host values as a `[rows, cols]` tensor.
+/// Uploads host values as a tensor of `shape`.
 fn host_tensor(values: Vec<f32>, shape: [usize; 3], device: &Device) -> Tensor<3> {
     Tensor::from_data(TensorData::new(values, shape), device)
 }
