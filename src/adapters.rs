@@ -143,54 +143,13 @@ impl PeftAdapter {
             adapter: name.to_owned(),
             reason,
         };
-        let config_path = dir.join("adapter_config.json");
-        let text = std::fs::read_to_string(&config_path).map_err(|source| AdapterError::Io {
-            adapter: name.to_owned(),
-            path: config_path.clone(),
-            source,
-        })?;
-        let config: AdapterConfig =
-            serde_json::from_str(&text).map_err(|e| AdapterError::Format {
-                adapter: name.to_owned(),
-                path: config_path.clone(),
-                reason: e.to_string(),
-            })?;
-        if let Some(kind) = config.peft_type.as_deref().filter(|k| *k != "LORA") {
-            return Err(unsupported(format!("peft_type {kind} is not LORA")));
-        }
-        if config.use_dora {
-            return Err(unsupported("DoRA (use_dora) is not supported".to_owned()));
-        }
-        if config
-            .modules_to_save
-            .as_ref()
-            .is_some_and(|m| !m.is_empty())
-        {
-            return Err(unsupported(format!(
-                "modules_to_save {:?} stores full modules, which per-row LoRA cannot serve",
-                config.modules_to_save.as_deref().unwrap_or_default()
-            )));
-        }
-        if let Some(bias) = config.bias.as_deref().filter(|b| *b != "none") {
-            return Err(unsupported(format!(
-                "bias = {bias} (trained biases) is not supported"
-            )));
-        }
-        if config.r == 0 {
-            return Err(unsupported("r is 0".to_owned()));
-        }
-
+        let config = AdapterConfig::read(name, dir)?;
+        let rank_pattern = Pattern::compile(name, &config.rank_pattern)?;
+        let alpha_pattern = Pattern::compile(name, &config.alpha_pattern)?;
         let weights_path = dir.join("adapter_model.safetensors");
-        let bytes = std::fs::read(&weights_path).map_err(|source| AdapterError::Io {
-            adapter: name.to_owned(),
-            path: weights_path.clone(),
-            source,
-        })?;
-        let file = SafeTensors::deserialize(&bytes).map_err(|e| AdapterError::Format {
-            adapter: name.to_owned(),
-            path: weights_path.clone(),
-            reason: e.to_string(),
-        })?;
+        let bytes = std::fs::read(&weights_path).map_err(io_error(name, &weights_path))?;
+        let file = SafeTensors::deserialize(&bytes)
+            .map_err(|e| format_error(name, &weights_path, e.to_string()))?;
         let by_path: HashMap<&str, &LoraTarget> =
             targets.iter().map(|t| (t.path.as_str(), t)).collect();
         let incompatible = |key: &str, reason: String| AdapterError::Incompatible {
@@ -246,9 +205,10 @@ impl PeftAdapter {
                 ));
             };
             let full_name = format!("model.visual.{path}");
-            let rank = pattern_value(&config.rank_pattern, &full_name).unwrap_or(config.r);
-            let alpha =
-                pattern_value(&config.alpha_pattern, &full_name).unwrap_or(config.lora_alpha);
+            let rank = rank_pattern.lookup(&full_name).unwrap_or(config.r);
+            let alpha = alpha_pattern
+                .lookup(&full_name)
+                .unwrap_or(config.lora_alpha);
             if rank > max_rank {
                 return Err(incompatible(
                     &a_key,
@@ -278,16 +238,88 @@ impl PeftAdapter {
     }
 }
 
-/// PEFT's pattern lookup: the first key `k` with `^(.*\.)?k$` matching the module name.
-fn pattern_value<T: Copy>(patterns: &HashMap<String, T>, module: &str) -> Option<T> {
-    let mut keys: Vec<&String> = patterns.keys().collect();
-    keys.sort(); // deterministic when several match
-    keys.into_iter().find_map(|key| {
-        Regex::new(&format!(r"^(.*\.)?(?:{key})$"))
-            .ok()
-            .filter(|re| re.is_match(module))
-            .map(|_| patterns[key])
-    })
+impl AdapterConfig {
+    /// Reads `dir/adapter_config.json` and refuses what per-row LoRA cannot serve.
+    fn read(name: &str, dir: &Path) -> Result<Self, AdapterError> {
+        let unsupported = |reason: String| AdapterError::Unsupported {
+            adapter: name.to_owned(),
+            reason,
+        };
+        let path = dir.join("adapter_config.json");
+        let text = std::fs::read_to_string(&path).map_err(io_error(name, &path))?;
+        let config: Self =
+            serde_json::from_str(&text).map_err(|e| format_error(name, &path, e.to_string()))?;
+        if let Some(kind) = config.peft_type.as_deref().filter(|k| *k != "LORA") {
+            return Err(unsupported(format!("peft_type {kind} is not LORA")));
+        }
+        if config.use_dora {
+            return Err(unsupported("DoRA (use_dora) is not supported".to_owned()));
+        }
+        if let Some(modules) = config.modules_to_save.as_ref().filter(|m| !m.is_empty()) {
+            return Err(unsupported(format!(
+                "modules_to_save {modules:?} stores full modules, which per-row LoRA cannot serve"
+            )));
+        }
+        if let Some(bias) = config.bias.as_deref().filter(|b| *b != "none") {
+            return Err(unsupported(format!(
+                "bias = {bias} (trained biases) is not supported"
+            )));
+        }
+        if config.r == 0 {
+            return Err(unsupported("r is 0".to_owned()));
+        }
+        Ok(config)
+    }
+}
+
+/// The error for an unreadable file of adapter `name`.
+fn io_error<'a>(name: &'a str, path: &'a Path) -> impl FnOnce(std::io::Error) -> AdapterError + 'a {
+    move |source| AdapterError::Io {
+        adapter: name.to_owned(),
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// The error for a malformed file of adapter `name`.
+fn format_error(name: &str, path: &Path, reason: String) -> AdapterError {
+    AdapterError::Format {
+        adapter: name.to_owned(),
+        path: path.to_owned(),
+        reason,
+    }
+}
+
+/// PEFT's `rank_pattern` / `alpha_pattern`, compiled once: key `k` matches a module name when
+/// `^(.*\.)?k$` does; keys are tried in sorted order so several matches resolve the same way.
+struct Pattern<T> {
+    rules: Vec<(Regex, T)>,
+}
+
+impl<T: Copy> Pattern<T> {
+    fn compile(name: &str, patterns: &HashMap<String, T>) -> Result<Self, AdapterError> {
+        let mut keys: Vec<&String> = patterns.keys().collect();
+        keys.sort();
+        let rules = keys
+            .into_iter()
+            .map(|key| {
+                Regex::new(&format!(r"^(.*\.)?(?:{key})$"))
+                    .map(|re| (re, patterns[key]))
+                    .map_err(|e| AdapterError::Unsupported {
+                        adapter: name.to_owned(),
+                        reason: format!("pattern key `{key}` is not a valid regex: {e}"),
+                    })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self { rules })
+    }
+
+    fn lookup(&self, module: &str) -> Option<T> {
+        self.rules
+            .iter()
+            .find(|(re, _)| re.is_match(module))
+            .map(|&(_, value)| value)
+    }
 }
 
 /// A tensor's values as f32, checking its shape (f32, f16 and bf16 accepted).

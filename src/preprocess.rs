@@ -181,28 +181,24 @@ pub const MAX_DECODED_PIXELS: u64 = 64 << 20;
 /// Reads and decodes an image file (PNG, JPEG, WebP) to RGB as transformers does: grayscale is
 /// replicated and transparency is composited onto white.
 pub fn load_image(path: &Path) -> Result<RgbImage, PreprocessError> {
-    let reader = ImageReader::open(path)
-        .map_err(|source| PreprocessError::Io {
-            path: path.to_owned(),
-            source,
-        })?
-        .with_guessed_format()
-        .map_err(|source| PreprocessError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
+    let bytes = std::fs::read(path).map_err(|source| PreprocessError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
     let decode = |source| PreprocessError::Decode {
         path: path.to_owned(),
         source,
     };
-    let (width, height) = ImageReader::open(path)
-        .and_then(|r| r.with_guessed_format())
-        .map_err(|source| PreprocessError::Io {
-            path: path.to_owned(),
-            source,
-        })?
-        .into_dimensions()
-        .map_err(decode)?;
+    let reader = || {
+        ImageReader::new(std::io::Cursor::new(&bytes[..]))
+            .with_guessed_format()
+            .map_err(|source| PreprocessError::Io {
+                path: path.to_owned(),
+                source,
+            })
+    };
+    // The header first: refuse huge images before allocating for them.
+    let (width, height) = reader()?.into_dimensions().map_err(decode)?;
     if u64::from(width) * u64::from(height) > MAX_DECODED_PIXELS {
         return Err(PreprocessError::TooLarge {
             path: path.to_owned(),
@@ -211,7 +207,7 @@ pub fn load_image(path: &Path) -> Result<RgbImage, PreprocessError> {
             limit: MAX_DECODED_PIXELS,
         });
     }
-    let mut reader = reader;
+    let mut reader = reader()?;
     let mut limits = Limits::default();
     limits.max_alloc = Some(MAX_DECODED_PIXELS * 16);
     reader.limits(limits);

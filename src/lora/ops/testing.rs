@@ -51,9 +51,7 @@ impl ProblemData {
                 .collect(),
         }
     }
-}
 
-impl ProblemData {
     /// The op's result on `device` (the data moved there first), back on the CPU.
     pub fn apply(&self, problem: &Problem, device: &RuntimeDevice) -> Tensor<2> {
         let on = self.to_device(device);
