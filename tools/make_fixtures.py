@@ -60,6 +60,7 @@ REQUESTS = [
     ("rgba.png", "tower-r2"),
     ("gray.png", "patterns"),
     ("square.png", None),
+    ("progressive.jpg", "rslora-r8"),
 ]
 
 
@@ -101,6 +102,10 @@ def write_images(images_dir):
     Image.fromarray(smooth(84, 84, 3)).save(images_dir / "lossless.webp", lossless=True)
     Image.fromarray(smooth(70, 90, 4), mode="RGBA").save(images_dir / "rgba.png")  # 70/28 = 2.5 → 2
     Image.fromarray(smooth(40, 50, 1)[..., 0], mode="L").save(images_dir / "gray.png")  # upscaled
+    # Chroma subsampled 4:2:0 and progressive: exercises libjpeg's fancy upsampling.
+    Image.fromarray(smooth(77, 123, 3)).save(
+        images_dir / "progressive.jpg", quality=80, subsampling=2, progressive=True
+    )
 
 
 def main():
@@ -187,9 +192,15 @@ def main():
         expected[f"request{i}.tower"] = out.last_hidden_state.contiguous()
         expected[f"request{i}.embeds"] = out.pooler_output.contiguous()
     save_file(expected, ROOT / "expected.safetensors")
-    (ROOT / "requests.json").write_text(
-        json.dumps([{"image": f"images/{f}", "adapter": a} for f, a in REQUESTS], indent=2)
-    )
+    # The mixed batch in `mmlora encode --batch` form (paths relative to this file).
+    batch = {
+        "adapters": {name: f"adapters/{name}" for name in ADAPTERS},
+        "requests": [
+            {"id": f"request{i}", "image": f"images/{f}", "adapter": a}
+            for i, (f, a) in enumerate(REQUESTS)
+        ],
+    }
+    (ROOT / "batch.json").write_text(json.dumps(batch, indent=2) + "\n")
 
 
 if __name__ == "__main__":

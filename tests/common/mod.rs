@@ -17,16 +17,23 @@ pub fn fixture_dir() -> PathBuf {
 /// One request of the fixture's mixed batch.
 #[derive(Debug, Clone, Deserialize)]
 pub struct FixtureRequest {
+    /// `request{i}`: the key prefix of its expected outputs.
+    pub id: String,
     /// Image path relative to the fixture folder.
     pub image: String,
     /// Adapter folder name under `adapters/`, or none.
     pub adapter: Option<String>,
 }
 
-/// The mixed batch the fixtures were made for.
+#[derive(Deserialize)]
+struct BatchFile {
+    requests: Vec<FixtureRequest>,
+}
+
+/// The mixed batch the fixtures were made for (`batch.json`, in `mmlora encode --batch` form).
 pub fn requests() -> Vec<FixtureRequest> {
-    let text = std::fs::read_to_string(fixture_dir().join("requests.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
+    let text = std::fs::read_to_string(fixture_dir().join("batch.json")).unwrap();
+    serde_json::from_str::<BatchFile>(&text).unwrap().requests
 }
 
 /// The reference outputs.

@@ -5,9 +5,11 @@
 //! Pillow does it on `uint8` → ×1/255 → CLIP mean/std → two identical frames → patches
 //! flattened merge-block-major, each row laid out `[C][T][patch][patch]`.
 
+mod jpeg;
+
 use std::path::{Path, PathBuf};
 
-use image::{ImageReader, Limits, RgbImage};
+use image::{ImageFormat, ImageReader, Limits, RgbImage};
 use serde::Deserialize;
 
 /// The processor's settings, as in a model folder's `preprocessor_config.json`.
@@ -79,12 +81,12 @@ pub enum PreprocessError {
         source: std::io::Error,
     },
     /// The image could not be decoded (or is larger than the decoder's limits).
-    #[error("cannot decode image {path}: {source}")]
+    #[error("cannot decode image {path}: {reason}")]
     Decode {
         /// The file.
         path: PathBuf,
         /// Why.
-        source: image::ImageError,
+        reason: String,
     },
     /// The image has more pixels than allowed before decoding.
     #[error("image {path} is {width}×{height}, above the limit of {limit} pixels")]
@@ -92,9 +94,9 @@ pub enum PreprocessError {
         /// The file.
         path: PathBuf,
         /// Its width.
-        width: u32,
+        width: usize,
         /// Its height.
-        height: u32,
+        height: usize,
         /// The limit.
         limit: u64,
     },
@@ -185,9 +187,24 @@ pub fn load_image(path: &Path) -> Result<RgbImage, PreprocessError> {
         path: path.to_owned(),
         source,
     })?;
-    let decode = |source| PreprocessError::Decode {
+    let too_large = |width, height| PreprocessError::TooLarge {
         path: path.to_owned(),
-        source,
+        width,
+        height,
+        limit: MAX_DECODED_PIXELS,
+    };
+    if image::guess_format(&bytes).ok() == Some(ImageFormat::Jpeg) {
+        return jpeg::decode_rgb(&bytes, MAX_DECODED_PIXELS).map_err(|error| match error {
+            jpeg::JpegError::TooLarge { width, height } => too_large(width, height),
+            jpeg::JpegError::Decode(reason) => PreprocessError::Decode {
+                path: path.to_owned(),
+                reason,
+            },
+        });
+    }
+    let decode = |source: image::ImageError| PreprocessError::Decode {
+        path: path.to_owned(),
+        reason: source.to_string(),
     };
     let reader = || {
         ImageReader::new(std::io::Cursor::new(&bytes[..]))
@@ -200,12 +217,7 @@ pub fn load_image(path: &Path) -> Result<RgbImage, PreprocessError> {
     // The header first: refuse huge images before allocating for them.
     let (width, height) = reader()?.into_dimensions().map_err(decode)?;
     if u64::from(width) * u64::from(height) > MAX_DECODED_PIXELS {
-        return Err(PreprocessError::TooLarge {
-            path: path.to_owned(),
-            width,
-            height,
-            limit: MAX_DECODED_PIXELS,
-        });
+        return Err(too_large(width as usize, height as usize));
     }
     let mut reader = reader()?;
     let mut limits = Limits::default();
