@@ -7,6 +7,8 @@
 //! run and are skipped. DoRA, `modules_to_save`, bias training, unknown modules, shapes that do
 //! not fit and ranks above `max_rank` are refused with the adapter and key named.
 
+pub mod registry;
+
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -240,7 +242,7 @@ impl PeftAdapter {
 
 impl AdapterConfig {
     /// Reads `dir/adapter_config.json` and refuses what per-row LoRA cannot serve.
-    fn read(name: &str, dir: &Path) -> Result<Self, AdapterError> {
+    pub fn read(name: &str, dir: &Path) -> Result<Self, AdapterError> {
         let unsupported = |reason: String| AdapterError::Unsupported {
             adapter: name.to_owned(),
             reason,

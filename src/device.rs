@@ -8,6 +8,9 @@ use burn::tensor::wgpu::{WgpuBackend, WgpuInitError, wgpu};
 /// Which backend to run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum DeviceChoice {
+    /// A hardware GPU when wgpu has one, else the CPU backend (a software rasterizer such as
+    /// lavapipe is slower than the CPU backend).
+    Auto,
     /// Burn's CPU backend (Flex): the reference path.
     Cpu,
     /// Burn's wgpu backend with our WGSL kernels.
@@ -21,6 +24,8 @@ pub struct RuntimeDevice {
     pub device: Device,
     /// What backs it, in words (adapter name, graphics API, type, driver).
     pub description: String,
+    /// Whether it is a GPU in hardware (not the CPU backend, not a software rasterizer).
+    pub hardware_gpu: bool,
 }
 
 /// Why no GPU device could be had.
@@ -58,6 +63,7 @@ pub fn cpu() -> RuntimeDevice {
     RuntimeDevice {
         device: Device::flex(),
         description: "cpu (Burn Flex backend)".to_owned(),
+        hardware_gpu: false,
     }
 }
 
@@ -70,9 +76,11 @@ pub fn gpu() -> Result<RuntimeDevice, DeviceError> {
             .graphics_api(api)
             .init_with_setup()
             .map_err(|e: WgpuInitError| DeviceError::NoAdapter(e.to_string()))?;
+        let info = setup.adapter.get_info();
         Ok(RuntimeDevice {
             device,
-            description: describe(&setup.adapter.get_info()),
+            description: describe(&info),
+            hardware_gpu: info.device_type != wgpu::DeviceType::Cpu,
         })
     })
     .clone()
@@ -81,6 +89,7 @@ pub fn gpu() -> Result<RuntimeDevice, DeviceError> {
 /// The device for `choice`.
 pub fn select(choice: DeviceChoice) -> Result<RuntimeDevice, DeviceError> {
     match choice {
+        DeviceChoice::Auto => Ok(gpu().ok().filter(|g| g.hardware_gpu).unwrap_or_else(cpu)),
         DeviceChoice::Cpu => Ok(cpu()),
         DeviceChoice::Gpu => gpu(),
     }

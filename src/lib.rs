@@ -8,6 +8,7 @@
 
 pub mod adapters;
 pub mod device;
+pub mod engine;
 pub mod lora;
 pub mod mapping;
 pub mod model;

@@ -1,6 +1,13 @@
-//! The `mmlora` binary, spawned as a user would run it.
+//! The `mmlora` binary, spawned as a user would run it: every subcommand, the fixtures
+//! reproduced through `encode` on both devices, and every kind of bad input refused cleanly.
 
+mod common;
+
+use std::path::Path;
 use std::process::{Command, Output};
+
+use common::{Expected, fixture_dir, requests};
+use safetensors::SafeTensors;
 
 fn mmlora(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_mmlora"))
@@ -13,73 +20,419 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-#[test]
-fn demo_on_cpu_prints_one_line_per_image() {
-    let out = mmlora(&[
-        "demo",
-        "--device",
-        "cpu",
-        "--images",
-        "3",
-        "--adapters",
-        "2",
-    ]);
+fn fixture(path: &str) -> String {
+    fixture_dir().join(path).display().to_string()
+}
+
+fn assert_success(out: &Output) -> String {
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}{}", text(&out.stderr));
-    assert!(stdout.contains("device: cpu"), "{stdout}");
-    for (image, adapter) in [(0, "none"), (1, "adapter-1"), (2, "adapter-2")] {
+    stdout
+}
+
+/// A tensor of a safetensors file as f32 values (f32 or i64 on disk).
+fn read_tensor(bytes: &[u8], name: &str) -> Vec<f64> {
+    let file = SafeTensors::deserialize(bytes).unwrap();
+    let view = file.tensor(name).unwrap_or_else(|e| panic!("{name}: {e}"));
+    match view.dtype() {
+        safetensors::Dtype::F32 => view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f64::from(f32::from_le_bytes(b.try_into().unwrap())))
+            .collect(),
+        safetensors::Dtype::I64 => view
+            .data()
+            .chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as f64)
+            .collect(),
+        other => panic!("{name}: unexpected dtype {other:?}"),
+    }
+}
+
+/// Checks `file`'s `{id}.tower` / `{id}.embeds` against the fixture outputs of `fixture_id`.
+fn assert_output_matches(file: &Path, id: &str, fixture_id: &str, rel_tol: f64) {
+    let written = std::fs::read(file).unwrap();
+    let expected = Expected::load();
+    for part in ["tower", "embeds"] {
+        let actual = read_tensor(&written, &format!("{id}.{part}"));
+        let (want, _) = expected.f32(&format!("{fixture_id}.{part}"));
+        assert_eq!(actual.len(), want.len(), "{id}.{part}");
+        let (mut diff, mut norm, mut worst) = (0.0f64, 0.0f64, 0.0f64);
+        for (a, e) in actual.iter().zip(&want) {
+            let d = a - f64::from(*e);
+            diff += d * d;
+            norm += f64::from(*e).powi(2);
+            worst = worst.max(d.abs());
+        }
+        let rel = (diff / norm).sqrt();
+        assert!(
+            rel <= rel_tol && worst <= 1e-4,
+            "{id}.{part}: rel {rel:e}, max {worst:e}"
+        );
+    }
+}
+
+/// `encode --batch` over the fixture batch on `device`, checked against transformers + PEFT.
+fn batch_reproduces_fixtures(device: &str, extra: &[&str], rel_tol: f64) {
+    let dir = tempfile::TempDir::new().unwrap();
+    let out = dir.path().join("out.safetensors");
+    let batch = fixture("batch.json");
+    let mut args = vec![
+        "encode",
+        "--batch",
+        &batch,
+        "--with-tower",
+        "--device",
+        device,
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend_from_slice(extra);
+    let stdout = assert_success(&mmlora(&args));
+    for request in requests() {
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with(&format!("{}:", request.id))),
+            "no summary line for {} in {stdout}",
+            request.id
+        );
+        assert_output_matches(&out, &request.id, &request.id, rel_tol);
+    }
+}
+
+#[test]
+fn encode_without_arguments_runs_the_bundled_batch() {
+    let stdout = assert_success(&mmlora(&["encode"]));
+    assert!(stdout.starts_with("device: "), "{stdout}");
+    for request in requests() {
         let line = stdout
             .lines()
-            .find(|l| l.starts_with(&format!("image-{image}:")))
-            .unwrap_or_else(|| panic!("no line for image-{image} in {stdout}"));
-        assert!(line.contains(adapter), "{line}");
+            .find(|l| l.starts_with(&format!("{}:", request.id)))
+            .unwrap_or_else(|| panic!("no line for {} in {stdout}", request.id));
+        let adapter = request.adapter.as_deref().unwrap_or("none");
+        assert!(line.contains(&format!("adapter {adapter},")), "{line}");
+        assert!(
+            line.contains("tower tokens") && line.contains(" ms"),
+            "{line}"
+        );
     }
 }
 
 #[test]
-fn demo_on_gpu_runs_where_ci_promises_one() {
-    let out = mmlora(&[
-        "demo",
-        "--device",
-        "gpu",
-        "--images",
-        "2",
-        "--adapters",
-        "1",
-    ]);
-    let stderr = text(&out.stderr);
-    if !out.status.success() && stderr.contains("no GPU adapter") {
-        assert_ne!(
-            std::env::var("CI").as_deref(),
-            Ok("true"),
-            "CI=true requires a GPU adapter (lavapipe in CI): {stderr}"
-        );
+fn encode_batch_reproduces_the_fixtures_on_cpu() {
+    // Tolerance: rel. Frobenius 1e-5, max abs 1e-4 (the model issue's CPU bounds).
+    batch_reproduces_fixtures("cpu", &[], 1e-5);
+    // One slot for four adapters: four steps, the same numbers.
+    batch_reproduces_fixtures("cpu", &["--max-loras", "1"], 1e-5);
+}
+
+#[test]
+fn encode_batch_reproduces_the_fixtures_on_gpu() {
+    if mmlora::device::gpu_for_tests().is_none() {
         return;
     }
-    assert!(out.status.success(), "{stderr}");
-    assert!(text(&out.stdout).contains("adapter-1"));
+    // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4.
+    batch_reproduces_fixtures("gpu", &[], 1e-4);
 }
 
 #[test]
-fn devices_lists_what_wgpu_sees() {
-    let out = mmlora(&["devices"]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(text(&out.stdout).contains("mmlora"));
+fn encode_images_with_one_adapter() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let out = dir.path().join("out.safetensors");
+    let square = fixture("images/square.png");
+    let stdout = assert_success(&mmlora(&[
+        "encode",
+        &square,
+        &square,
+        "--adapter",
+        &fixture("adapters/all-r4"),
+        "--device",
+        "cpu",
+        "--with-tower",
+        "--out",
+        out.to_str().unwrap(),
+    ]));
+    assert!(stdout.contains("square.png#2:"), "{stdout}");
+    // request0 of the fixtures is square.png with all-r4.
+    for id in ["square.png", "square.png#2"] {
+        assert_output_matches(&out, id, "request0", 1e-5);
+    }
 }
 
 #[test]
-fn bad_arguments_fail_with_a_message_and_no_panic() {
+fn preprocess_writes_what_the_engine_feeds() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let expected = Expected::load();
+    for file in ["wide.jpg", "progressive.jpg", "rgba.png"] {
+        let out = dir.path().join(format!("{file}.safetensors"));
+        assert_success(&mmlora(&[
+            "preprocess",
+            &fixture(&format!("images/{file}")),
+            "--out",
+            out.to_str().unwrap(),
+        ]));
+        let written = std::fs::read(&out).unwrap();
+        let grid = read_tensor(&written, "image_grid_thw");
+        let want_grid = expected.i64(&format!("{file}.image_grid_thw"));
+        assert_eq!(
+            grid,
+            want_grid.iter().map(|&g| g as f64).collect::<Vec<_>>()
+        );
+        let pixels = read_tensor(&written, "pixel_values");
+        let (want, _) = expected.f32(&format!("{file}.pixel_values"));
+        assert_eq!(pixels.len(), want.len());
+        // Tolerance: 1e-6 absolute, as in tests/preprocess_fixtures.rs.
+        let worst = pixels
+            .iter()
+            .zip(&want)
+            .map(|(a, e)| (a - f64::from(*e)).abs())
+            .fold(0.0, f64::max);
+        assert!(worst <= 1e-6, "{file}: max |Δ| = {worst}");
+    }
+}
+
+#[test]
+fn devices_lists_what_wgpu_sees_and_what_mmlora_uses() {
+    let stdout = assert_success(&mmlora(&["devices"]));
+    assert!(
+        stdout.contains("--device auto (the default) uses: "),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn adapters_inspect_reports_the_adapter_and_its_compatibility() {
+    let stdout = assert_success(&mmlora(&[
+        "adapters",
+        "inspect",
+        &fixture("adapters/all-r4"),
+    ]));
+    for want in ["rank 4, alpha 8, scale 2", "qkv", "merger.mlp.2", ": yes"] {
+        assert!(stdout.contains(want), "{want:?} not in {stdout}");
+    }
+    let stdout = assert_success(&mmlora(&[
+        "adapters",
+        "inspect",
+        &fixture("adapters/rslora-r8"),
+    ]));
+    assert!(stdout.contains("rsLoRA"), "{stdout}");
+
+    // A model of another width: the adapter's shapes do not fit.
+    let model = tempfile::TempDir::new().unwrap();
+    let config = std::fs::read_to_string(fixture_dir().join("config.json"))
+        .unwrap()
+        .replace("\"embed_dim\": 32", "\"embed_dim\": 64");
+    std::fs::write(model.path().join("config.json"), config).unwrap();
+    let out = mmlora(&[
+        "adapters",
+        "inspect",
+        &fixture("adapters/all-r4"),
+        "--model",
+        model.path().to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stdout).contains(": no — "),
+        "{}",
+        text(&out.stdout)
+    );
+    assert!(
+        text(&out.stderr).contains("not compatible"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+/// A PNG whose header declares `width × height`, with one empty data chunk: enough for a
+/// decoder to read the size, far too little to decode.
+fn png_header(width: u32, height: u32) -> Vec<u8> {
+    fn crc32(bytes: &[u8]) -> u32 {
+        let mut crc = !0u32;
+        for &byte in bytes {
+            crc ^= u32::from(byte);
+            for _ in 0..8 {
+                crc = if crc & 1 == 1 {
+                    (crc >> 1) ^ 0xEDB8_8320
+                } else {
+                    crc >> 1
+                };
+            }
+        }
+        !crc
+    }
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    let mut header = width.to_be_bytes().to_vec();
+    header.extend(height.to_be_bytes());
+    header.extend([8, 2, 0, 0, 0]); // 8-bit RGB
+    for (kind, data) in [(b"IHDR", header), (b"IDAT", Vec::new())] {
+        let mut chunk = kind.to_vec();
+        chunk.extend(&data);
+        png.extend((data.len() as u32).to_be_bytes());
+        png.extend(&chunk);
+        png.extend(crc32(&chunk).to_be_bytes());
+    }
+    png
+}
+
+#[test]
+fn bad_inputs_fail_with_a_readable_error_and_leave_no_output() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let at = |name: &str| dir.path().join(name);
+    let write = |name: &str, bytes: &[u8]| {
+        std::fs::write(at(name), bytes).unwrap();
+        at(name).display().to_string()
+    };
+    let copy_dir = |from: &Path, to: &Path| {
+        std::fs::create_dir_all(to).unwrap();
+        for entry in std::fs::read_dir(from).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_type().unwrap().is_file() {
+                std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+            }
+        }
+    };
+    let batch = |name: &str, json: String| write(name, json.as_bytes());
+    let square = fixture("images/square.png");
+    let all_r4 = fixture("adapters/all-r4");
+
+    let not_an_image = write("not-an-image.png", b"hello, world");
+    let huge = write("huge.png", &png_header(9000, 9000));
+    let corrupt_adapter = at("corrupt-adapter");
+    copy_dir(Path::new(&all_r4), &corrupt_adapter);
+    std::fs::write(
+        corrupt_adapter.join("adapter_model.safetensors"),
+        b"garbage",
+    )
+    .unwrap();
+    let corrupt_model = at("corrupt-model");
+    copy_dir(&fixture_dir(), &corrupt_model);
+    std::fs::write(
+        corrupt_model.join("model-00001-of-00002.safetensors"),
+        b"garbage",
+    )
+    .unwrap();
+    let unknown = batch(
+        "unknown.json",
+        format!(r#"{{"requests": [{{"id": "a", "image": "{square}", "adapter": "ghost"}}]}}"#),
+    );
+    let duplicate = batch(
+        "duplicate.json",
+        format!(
+            r#"{{"requests": [{{"id": "a", "image": "{square}"}}, {{"id": "a", "image": "{square}"}}]}}"#
+        ),
+    );
+    let malformed = batch("malformed.json", r#"{"requests": [{"id": "a"#.to_owned());
+    let empty = batch("empty.json", r#"{"requests": []}"#.to_owned());
+
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec![at("missing.png").display().to_string()], "missing.png"),
+        (vec![not_an_image.clone()], "not-an-image.png"),
+        (vec![huge], "above the limit"),
+        (
+            vec![
+                square.clone(),
+                "--adapter".into(),
+                corrupt_adapter.display().to_string(),
+            ],
+            "adapter_model.safetensors",
+        ),
+        (
+            vec![
+                square.clone(),
+                "--model".into(),
+                corrupt_model.display().to_string(),
+            ],
+            "model-00001-of-00002.safetensors",
+        ),
+        (
+            vec![
+                square.clone(),
+                "--adapter".into(),
+                all_r4.clone(),
+                "--max-rank".into(),
+                "2".into(),
+            ],
+            "max_rank",
+        ),
+        (
+            vec![
+                square.clone(),
+                "--model".into(),
+                dir.path().display().to_string(),
+            ],
+            "config.json",
+        ),
+        (vec!["--batch".into(), unknown], "ghost"),
+        (vec!["--batch".into(), duplicate], "more than once"),
+        (vec!["--batch".into(), malformed], "malformed.json"),
+        (vec!["--batch".into(), empty], "no requests"),
+        (
+            vec!["--batch".into(), at("absent.json").display().to_string()],
+            "absent.json",
+        ),
+        (vec!["--device".into(), "tpu".into()], "tpu"),
+        (vec!["--adapter".into(), all_r4.clone()], "IMAGES"),
+        (vec!["--model".into(), fixture("")], "nothing to encode"),
+    ];
+    for (i, (args, mention)) in cases.into_iter().enumerate() {
+        let out_file = at(&format!("out-{i}.safetensors"));
+        let mut full = vec!["encode".to_owned(), "--device".into(), "cpu".into()];
+        if args[0] == "--device" {
+            full.truncate(1);
+        }
+        full.extend(args);
+        full.extend(["--out".to_owned(), out_file.display().to_string()]);
+        let full: Vec<&str> = full.iter().map(String::as_str).collect();
+        let out = mmlora(&full);
+        let stderr = text(&out.stderr);
+        assert!(!out.status.success(), "{full:?} succeeded");
+        assert!(!stderr.contains("panicked"), "{full:?} panicked: {stderr}");
+        assert!(
+            stderr.contains(mention),
+            "{full:?}: {mention:?} not in {stderr}"
+        );
+        assert!(!out_file.exists(), "{full:?} left {}", out_file.display());
+    }
+
+    // The output's folder must exist; nothing is computed when it does not.
+    let out = mmlora(&[
+        "encode",
+        &square,
+        "--out",
+        "/nonexistent-folder/out.safetensors",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("does not exist"),
+        "{}",
+        text(&out.stderr)
+    );
+
     for args in [
-        &["demo", "--device", "tpu"][..],
-        &["demo", "--rank", "0", "--device", "cpu"],
-        &["demo", "--rank", "513", "--device", "cpu"],
-        &["demo", "--images", "0", "--device", "cpu"],
-        &["frobnicate"],
+        &["frobnicate"][..],
+        &["preprocess", &square],
+        &["adapters", "inspect"],
     ] {
         let out = mmlora(args);
-        let stderr = text(&out.stderr);
         assert!(!out.status.success(), "{args:?} succeeded");
-        assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
-        assert!(!stderr.trim().is_empty(), "{args:?} said nothing");
+        assert!(
+            !text(&out.stderr).trim().is_empty(),
+            "{args:?} said nothing"
+        );
     }
+    let preprocessed = at("p.safetensors");
+    let out = mmlora(&[
+        "preprocess",
+        &not_an_image,
+        "--out",
+        preprocessed.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("not-an-image.png"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(!preprocessed.exists());
 }

@@ -29,6 +29,19 @@ pub struct VisionConfig {
     pub hidden_act: String,
 }
 
+/// A LoRA target linear: its module path (as in PEFT keys after `visual.`) and shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraTarget {
+    /// e.g. `blocks.3.attn.qkv` or `merger.mlp.0`.
+    pub path: String,
+    /// Input width.
+    pub in_features: usize,
+    /// Output width.
+    pub out_features: usize,
+    /// Whether the CONNECTOR mapping feeds it (else the TOWER mapping).
+    pub connector: bool,
+}
+
 /// `vision_config` as written on the hub (`in_chans`, `spatial_patch_size`) or by transformers
 /// (`in_channels`, `patch_size`); hub files carry both patch spellings.
 #[derive(Deserialize)]
@@ -142,6 +155,35 @@ impl VisionConfig {
     /// Values per patch row.
     pub fn patch_len(&self) -> usize {
         self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+    }
+
+    /// Every LoRA target linear of a model of this shape, in a fixed order: each block's
+    /// `attn.qkv`, `attn.proj`, `mlp.fc1`, `mlp.fc2`, then `merger.mlp.0` and `merger.mlp.2`.
+    pub fn lora_targets(&self) -> Vec<LoraTarget> {
+        let d = self.embed_dim;
+        let mlp = d * self.mlp_ratio;
+        let merged = d * self.spatial_merge_size * self.spatial_merge_size;
+        let target = |path: String, in_features, out_features, connector| LoraTarget {
+            path,
+            in_features,
+            out_features,
+            connector,
+        };
+        let mut targets = Vec::with_capacity(4 * self.depth + 2);
+        for i in 0..self.depth {
+            targets.push(target(format!("blocks.{i}.attn.qkv"), d, 3 * d, false));
+            targets.push(target(format!("blocks.{i}.attn.proj"), d, d, false));
+            targets.push(target(format!("blocks.{i}.mlp.fc1"), d, mlp, false));
+            targets.push(target(format!("blocks.{i}.mlp.fc2"), mlp, d, false));
+        }
+        targets.push(target("merger.mlp.0".to_owned(), merged, merged, true));
+        targets.push(target(
+            "merger.mlp.2".to_owned(),
+            merged,
+            self.hidden_size,
+            true,
+        ));
+        targets
     }
 }
 

@@ -13,7 +13,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use crate::lora::linear::LoraLinear;
 use crate::lora::ops::{LoraBatch, LoraOpError};
 use crate::model::checkpoint::{Checkpoint, CheckpointError};
-pub use config::{ConfigError, VisionConfig};
+pub use config::{ConfigError, LoraTarget, VisionConfig};
 
 /// LayerNorm epsilon of every norm in the tower and merger.
 const LAYER_NORM_EPS: f64 = 1e-6;
@@ -69,19 +69,6 @@ struct Merger {
     ln_q: LayerNorm,
     mlp0: LoraLinear,
     mlp2: LoraLinear,
-}
-
-/// A LoRA target linear: its module path (as in PEFT keys after `visual.`) and shape.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoraTarget {
-    /// e.g. `blocks.3.attn.qkv` or `merger.mlp.0`.
-    pub path: String,
-    /// Input width.
-    pub in_features: usize,
-    /// Output width.
-    pub out_features: usize,
-    /// Whether the CONNECTOR mapping feeds it (else the TOWER mapping).
-    pub connector: bool,
 }
 
 /// The tower's and the connector's outputs for a batch.
@@ -187,35 +174,7 @@ impl Qwen2VlVision {
 
     /// Every LoRA target linear, in a fixed order.
     pub fn lora_targets(&self) -> Vec<LoraTarget> {
-        self.targets()
-            .into_iter()
-            .map(|(path, layer, connector)| {
-                let (in_features, out_features) = layer.dims();
-                LoraTarget {
-                    path,
-                    in_features,
-                    out_features,
-                    connector,
-                }
-            })
-            .collect()
-    }
-
-    fn targets(&self) -> Vec<(String, &LoraLinear, bool)> {
-        let mut targets = Vec::new();
-        for (i, b) in self.blocks.iter().enumerate() {
-            for (name, layer) in [
-                ("attn.qkv", &b.qkv),
-                ("attn.proj", &b.proj),
-                ("mlp.fc1", &b.fc1),
-                ("mlp.fc2", &b.fc2),
-            ] {
-                targets.push((format!("blocks.{i}.{name}"), layer, false));
-            }
-        }
-        targets.push(("merger.mlp.0".to_owned(), &self.merger.mlp0, true));
-        targets.push(("merger.mlp.2".to_owned(), &self.merger.mlp2, true));
-        targets
+        self.config.lora_targets()
     }
 
     /// The target linear at `path` (as listed by [`Self::lora_targets`]).

@@ -1,0 +1,261 @@
+//! `mmlora encode`: images (each with an adapter or none) → per-request embeddings.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use mmlora::device::{self, DeviceChoice};
+use mmlora::engine::{Encoded, Engine, EngineOptions, ImageSource, Request};
+use serde::Deserialize;
+
+use super::output::{OutputTensor, write_safetensors};
+use super::{CliError, default_model_dir, resolve};
+
+/// Arguments of `mmlora encode`.
+#[derive(Debug, clap::Args)]
+pub struct EncodeArgs {
+    /// Images to encode, all with `--adapter` (or none). With neither images nor `--batch`, the
+    /// bundled example batch runs on the bundled model.
+    images: Vec<PathBuf>,
+    /// A batch file: `{"adapters": {"NAME": "DIR"}, "requests": [{"id", "image", "adapter"}]}`,
+    /// paths relative to the file.
+    #[arg(long, conflicts_with_all = ["images", "adapter"])]
+    batch: Option<PathBuf>,
+    /// A PEFT adapter folder applied to every image given on the command line.
+    #[arg(long, requires = "images")]
+    adapter: Option<PathBuf>,
+    /// A Qwen2-VL model folder (config.json + safetensors); default: the bundled model.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Write the results here as safetensors: `ID.embeds` (and `ID.tower`) per request.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Where to run.
+    #[arg(long, value_enum, default_value = "auto")]
+    device: DeviceChoice,
+    /// Also write each request's tower output.
+    #[arg(long)]
+    with_tower: bool,
+    /// GPU slots: distinct adapters mixed in one step (more run in more steps).
+    #[arg(long, default_value_t = EngineOptions::default().max_loras)]
+    max_loras: usize,
+    /// The largest adapter rank accepted.
+    #[arg(long, default_value_t = EngineOptions::default().max_rank)]
+    max_rank: usize,
+}
+
+/// A batch file as written by users.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchFile {
+    #[serde(default)]
+    adapters: BTreeMap<String, PathBuf>,
+    requests: Vec<BatchRequest>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchRequest {
+    id: String,
+    image: PathBuf,
+    #[serde(default)]
+    adapter: Option<String>,
+}
+
+/// What to encode: adapters to load and requests.
+struct Job {
+    adapters: Vec<(String, PathBuf)>,
+    requests: Vec<Request>,
+}
+
+/// Runs `mmlora encode`.
+pub fn run(args: EncodeArgs) -> Result<(), CliError> {
+    let model_dir = args.model.clone().unwrap_or_else(default_model_dir);
+    let job = job(&args, &model_dir)?;
+    if let Some(out) = &args.out {
+        check_writable_folder(out)?;
+    }
+    let device = device::select(args.device)?;
+    println!("device: {}", device.description);
+    if args.device == DeviceChoice::Auto && !device.hardware_gpu {
+        println!("  (auto: wgpu found no hardware GPU; --device gpu forces wgpu anyway)");
+    }
+    let options = EngineOptions {
+        max_loras: args.max_loras,
+        max_rank: args.max_rank,
+        max_cpu_adapters: EngineOptions::default()
+            .max_cpu_adapters
+            .max(args.max_loras),
+        ..EngineOptions::default()
+    };
+    let started = Instant::now();
+    let mut engine = Engine::open(&model_dir, device, options)?;
+    for (name, dir) in &job.adapters {
+        engine.load_adapter(name, dir)?;
+    }
+    println!(
+        "model: {} loaded in {:.2} s",
+        model_dir.display(),
+        started.elapsed().as_secs_f64()
+    );
+    let encoded = engine.encode(&job.requests, args.with_tower)?;
+    let steps = encoded.iter().map(|e| e.step + 1).max().unwrap_or(0);
+    for result in &encoded {
+        println!("{}", summary_line(result, steps));
+    }
+    if let Some(out) = &args.out {
+        write_results(out, &encoded, &model_dir, &engine)?;
+        println!("wrote {} ({} requests)", out.display(), encoded.len());
+    }
+    Ok(())
+}
+
+/// One line per request: tokens, adapter, step and its time.
+fn summary_line(result: &Encoded, steps: usize) -> String {
+    let tower_rows: usize = result.grid_thw.iter().product();
+    let [embeds, hidden] = result.embeds.shape;
+    format!(
+        "{}: {tower_rows} tower tokens → {embeds} embeddings × {hidden}, adapter {}, step {}/{steps} {:.1} ms",
+        result.id,
+        result.adapter.as_deref().unwrap_or("none"),
+        result.step + 1,
+        result.step_time.as_secs_f64() * 1e3
+    )
+}
+
+/// The job the arguments describe.
+fn job(args: &EncodeArgs, model_dir: &Path) -> Result<Job, CliError> {
+    if let Some(batch) = &args.batch {
+        return read_batch(batch);
+    }
+    if !args.images.is_empty() {
+        return Ok(images_job(&args.images, args.adapter.as_deref()));
+    }
+    if args.model.is_some() {
+        return Err(CliError::Usage(
+            "nothing to encode: give IMAGE... or --batch FILE (the bundled example batch runs \
+             only on the bundled model)"
+                .to_owned(),
+        ));
+    }
+    read_batch(&model_dir.join("batch.json"))
+}
+
+/// Reads a batch file; its paths are relative to its folder.
+fn read_batch(path: &Path) -> Result<Job, CliError> {
+    let text = std::fs::read_to_string(path).map_err(|source| CliError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    let invalid = |reason: String| CliError::Batch {
+        path: path.to_owned(),
+        reason,
+    };
+    let batch: BatchFile = serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+    if batch.requests.is_empty() {
+        return Err(invalid("the batch has no requests".to_owned()));
+    }
+    let base = path.parent().unwrap_or(Path::new("."));
+    Ok(Job {
+        adapters: batch
+            .adapters
+            .into_iter()
+            .map(|(name, dir)| (name, resolve(base, &dir)))
+            .collect(),
+        requests: batch
+            .requests
+            .into_iter()
+            .map(|r| Request {
+                id: r.id,
+                image: ImageSource::File(resolve(base, &r.image)),
+                adapter: r.adapter,
+            })
+            .collect(),
+    })
+}
+
+/// Images from the command line, all with one adapter (named after its folder) or none. Each
+/// request's id is the image's file name (`#2`, `#3`… for repeats).
+fn images_job(images: &[PathBuf], adapter: Option<&Path>) -> Job {
+    let name = adapter.map(|dir| {
+        dir.file_name().map_or_else(
+            || "adapter".to_owned(),
+            |n| n.to_string_lossy().into_owned(),
+        )
+    });
+    let mut seen: HashMap<String, usize> = HashMap::new();
+    let requests = images
+        .iter()
+        .map(|image| {
+            let file = image.file_name().map_or_else(
+                || image.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            );
+            let count = seen.entry(file.clone()).or_default();
+            *count += 1;
+            Request {
+                id: if *count == 1 {
+                    file
+                } else {
+                    format!("{file}#{count}")
+                },
+                image: ImageSource::File(image.clone()),
+                adapter: name.clone(),
+            }
+        })
+        .collect();
+    Job {
+        adapters: name
+            .zip(adapter)
+            .map(|(name, dir)| (name, dir.to_owned()))
+            .into_iter()
+            .collect(),
+        requests,
+    }
+}
+
+/// Fails early when the output's folder does not exist.
+fn check_writable_folder(out: &Path) -> Result<(), CliError> {
+    match out.parent() {
+        Some(folder) if !folder.as_os_str().is_empty() && !folder.is_dir() => {
+            Err(CliError::Write {
+                path: out.to_owned(),
+                reason: format!("the folder {} does not exist", folder.display()),
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+fn write_results(
+    out: &Path,
+    encoded: &[Encoded],
+    model_dir: &Path,
+    engine: &Engine,
+) -> Result<(), CliError> {
+    let mut tensors = Vec::new();
+    let mut metadata = HashMap::from([
+        ("model".to_owned(), model_dir.display().to_string()),
+        ("device".to_owned(), engine.device().description.clone()),
+    ]);
+    for result in encoded {
+        let embeds = &result.embeds;
+        tensors.push(OutputTensor::f32(
+            format!("{}.embeds", result.id),
+            embeds.shape.to_vec(),
+            &embeds.values,
+        ));
+        if let Some(tower) = &result.tower {
+            tensors.push(OutputTensor::f32(
+                format!("{}.tower", result.id),
+                tower.shape.to_vec(),
+                &tower.values,
+            ));
+        }
+        metadata.insert(
+            format!("{}.adapter", result.id),
+            result.adapter.clone().unwrap_or_default(),
+        );
+    }
+    write_safetensors(out, &tensors, metadata)
+}

@@ -1,0 +1,86 @@
+//! The `mmlora` subcommands. Each parses its files, calls the library, and prints; the logic a
+//! library user would need lives in the library.
+
+pub mod devices;
+pub mod encode;
+pub mod inspect;
+mod output;
+pub mod preprocess;
+
+use std::path::{Path, PathBuf};
+
+use mmlora::adapters::AdapterError;
+use mmlora::device::DeviceError;
+use mmlora::engine::EngineError;
+use mmlora::model::qwen2_vl::ConfigError;
+use mmlora::preprocess::PreprocessError;
+
+/// The bundled model: random weights in Qwen2-VL's layout, adapters and images, so every
+/// command works on a fresh checkout (see `assets/tiny-qwen2-vl/`).
+pub fn default_model_dir() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/assets/tiny-qwen2-vl"))
+}
+
+/// Why a command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// A file the command was given could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The batch file is not valid.
+    #[error("{path}: {reason}")]
+    Batch {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The arguments do not make a job.
+    #[error("{0}")]
+    Usage(String),
+    /// The output file could not be written.
+    #[error("cannot write {path}: {reason}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The adapter does not fit the model (`adapters inspect`).
+    #[error("adapter {dir} is not compatible with the model in {model}")]
+    Incompatible {
+        /// The adapter folder.
+        dir: PathBuf,
+        /// The model folder.
+        model: PathBuf,
+    },
+    /// No device.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// The engine refused or failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// An adapter could not be read.
+    #[error(transparent)]
+    Adapter(#[from] AdapterError),
+    /// The model's config could not be read.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// An image could not be read or processed.
+    #[error(transparent)]
+    Preprocess(#[from] PreprocessError),
+}
+
+/// `path` with `~`-free relative paths resolved against `base`.
+fn resolve(base: &Path, path: &Path) -> PathBuf {
+    if path.is_absolute() {
+        path.to_owned()
+    } else {
+        base.join(path)
+    }
+}

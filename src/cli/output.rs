@@ -1,0 +1,75 @@
+//! Writing results as safetensors, all or nothing: the file appears only once it is complete.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::Path;
+
+use safetensors::Dtype;
+use safetensors::tensor::TensorView;
+
+use super::CliError;
+
+/// One tensor to write: name, dtype, shape and little-endian bytes.
+pub struct OutputTensor {
+    /// Its name in the file.
+    pub name: String,
+    /// Its element type.
+    pub dtype: Dtype,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Its bytes, little-endian.
+    pub bytes: Vec<u8>,
+}
+
+impl OutputTensor {
+    /// An f32 tensor.
+    pub fn f32(name: String, shape: Vec<usize>, values: &[f32]) -> Self {
+        Self {
+            name,
+            dtype: Dtype::F32,
+            shape,
+            bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        }
+    }
+
+    /// An i64 tensor.
+    pub fn i64(name: String, shape: Vec<usize>, values: &[i64]) -> Self {
+        Self {
+            name,
+            dtype: Dtype::I64,
+            shape,
+            bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        }
+    }
+}
+
+/// Writes `tensors` (and `metadata`) to `path` through a temporary file in the same folder
+/// that is renamed into place only when complete, so a failure leaves no partial file.
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[OutputTensor],
+    metadata: HashMap<String, String>,
+) -> Result<(), CliError> {
+    let failed = |reason: String| CliError::Write {
+        path: path.to_owned(),
+        reason,
+    };
+    let views = tensors
+        .iter()
+        .map(|t| {
+            TensorView::new(t.dtype, t.shape.clone(), &t.bytes)
+                .map(|view| (t.name.clone(), view))
+                .map_err(|e| failed(format!("tensor {}: {e}", t.name)))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let bytes = safetensors::serialize(views, Some(metadata)).map_err(|e| failed(e.to_string()))?;
+    let folder = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    let mut file = tempfile::NamedTempFile::new_in(folder).map_err(|e| failed(e.to_string()))?;
+    file.write_all(&bytes).map_err(|e| failed(e.to_string()))?;
+    file.persist(path)
+        .map_err(|e| failed(e.error.to_string()))?;
+    Ok(())
+}

@@ -1,0 +1,51 @@
+//! `mmlora preprocess`: an image's patches and grid exactly as the engine feeds them.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use mmlora::preprocess::{PreprocessConfig, load_image, preprocess};
+
+use super::output::{OutputTensor, write_safetensors};
+use super::{CliError, default_model_dir};
+
+/// Arguments of `mmlora preprocess`.
+#[derive(Debug, clap::Args)]
+pub struct PreprocessArgs {
+    /// The image.
+    image: PathBuf,
+    /// The model folder whose `preprocessor_config.json` applies; default: the bundled model.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Where to write `pixel_values` (f32) and `image_grid_thw` (i64).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+/// Runs `mmlora preprocess`.
+pub fn run(args: PreprocessArgs) -> Result<(), CliError> {
+    let model_dir = args.model.unwrap_or_else(default_model_dir);
+    let config = PreprocessConfig::from_model_dir(&model_dir)?;
+    let patches = preprocess(&load_image(&args.image)?, &config)?;
+    let grid = patches.grid_thw.map(|g| g as i64);
+    write_safetensors(
+        &args.out,
+        &[
+            OutputTensor::f32(
+                "pixel_values".to_owned(),
+                vec![patches.rows(), config.patch_len()],
+                &patches.pixel_values,
+            ),
+            OutputTensor::i64("image_grid_thw".to_owned(), vec![1, 3], &grid),
+        ],
+        HashMap::from([("image".to_owned(), args.image.display().to_string())]),
+    )?;
+    println!(
+        "{}: grid {:?} → {} patches of {} values; wrote {}",
+        args.image.display(),
+        patches.grid_thw,
+        patches.rows(),
+        config.patch_len(),
+        args.out.display()
+    );
+    Ok(())
+}

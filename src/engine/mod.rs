@@ -1,0 +1,650 @@
+//! The engine: requests (an image and an optional adapter each) in, per-request embeddings out.
+//!
+//! One [`Engine::encode`] call: preprocess every image → plan scheduler steps that fit the
+//! `max_loras` GPU slots → per step: lay the requests out as scheduled encoder inputs, build the
+//! TOWER and CONNECTOR mappings with [`crate::mapping`], activate the step's adapters in the slot
+//! table (restacking the model's LoRA weights only when the slots changed), turn the mappings
+//! into kernel metadata, run tower and connector once over the step, split per request.
+
+pub mod plan;
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::tensor::{Tensor, TensorData};
+use image::RgbImage;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::adapters::registry::{AdapterKey, AdapterRegistry};
+use crate::adapters::{AdapterError, PeftAdapter, install};
+use crate::device::RuntimeDevice;
+use crate::lora::meta::{KernelMeta, MetaError, SlotTable};
+use crate::lora::ops::{LoraBatch, MAX_RANK};
+use crate::mapping::{
+    AdapterRequest, EncoderCache, LoraState, MappingError, MmFeature, Modality, PlaceholderRange,
+    SpatialMergeCounts, set_active_mm_loras,
+};
+use crate::model::qwen2_vl::{ModelError, Qwen2VlVision};
+use crate::preprocess::{Patches, PreprocessConfig, PreprocessError, load_image, preprocess};
+use plan::{PlanItem, plan_steps};
+
+/// The engine's limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineOptions {
+    /// GPU slots: the most distinct adapters one step mixes. Calls with more run in more steps.
+    pub max_loras: usize,
+    /// The largest adapter rank accepted.
+    pub max_rank: usize,
+    /// How many adapters' weights stay in host memory (at least `max_loras`); others are read
+    /// again from their folders when a request needs them.
+    pub max_cpu_adapters: usize,
+    /// The most tower rows (patches) one step runs; larger calls run in more steps.
+    pub max_step_rows: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            max_loras: 8,
+            max_rank: 64,
+            max_cpu_adapters: 32,
+            max_step_rows: 16_384,
+        }
+    }
+}
+
+/// Where a request's image comes from.
+#[derive(Debug, Clone)]
+pub enum ImageSource {
+    /// An image file (PNG, JPEG, WebP).
+    File(PathBuf),
+    /// A decoded RGB image.
+    Decoded(RgbImage),
+    /// Patches already preprocessed (as `mmlora preprocess` writes them).
+    Patches(Patches),
+}
+
+/// One image to encode, with its adapter.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Unique within one `encode` call.
+    pub id: String,
+    /// The image.
+    pub image: ImageSource,
+    /// The name of a loaded adapter, or none for the base model.
+    pub adapter: Option<String>,
+}
+
+/// A row-major f32 matrix in host memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    /// `[rows, columns]`.
+    pub shape: [usize; 2],
+    /// The values.
+    pub values: Vec<f32>,
+}
+
+/// One request's result.
+#[derive(Debug, Clone)]
+pub struct Encoded {
+    /// The request's id.
+    pub id: String,
+    /// Its adapter.
+    pub adapter: Option<String>,
+    /// Its patch grid `(t, h, w)`.
+    pub grid_thw: [usize; 3],
+    /// The connector's output `[tower rows / merge², hidden_size]`: what the language model gets.
+    pub embeds: HostTensor,
+    /// The tower's output `[tower rows, embed_dim]`, when asked for.
+    pub tower: Option<HostTensor>,
+    /// The scheduler step (0-based) the request ran in.
+    pub step: usize,
+    /// How long that step took on the device (upload, tower, connector, read-back).
+    pub step_time: Duration,
+}
+
+/// Why the engine refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The options cannot work.
+    #[error("invalid engine options: {0}")]
+    Options(String),
+    /// The model folder's files disagree.
+    #[error("{path}: {reason}")]
+    Inconsistent {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The model could not be loaded or run.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The processor settings could not be read.
+    #[error(transparent)]
+    Preprocess(PreprocessError),
+    /// An adapter could not be loaded.
+    #[error(transparent)]
+    Adapter(#[from] AdapterError),
+    /// A request's image could not be read or processed.
+    #[error("request `{request}`: {source}")]
+    Image {
+        /// The request id.
+        request: String,
+        /// Why.
+        source: PreprocessError,
+    },
+    /// A request's ready-made patches do not fit the model.
+    #[error("request `{request}`: {reason}")]
+    Patches {
+        /// The request id.
+        request: String,
+        /// Why.
+        reason: String,
+    },
+    /// A request names an adapter that is not loaded.
+    #[error(
+        "request `{request}` names adapter `{adapter}`, which is not loaded (loaded: {loaded})"
+    )]
+    UnknownAdapter {
+        /// The request id.
+        request: String,
+        /// The adapter name.
+        adapter: String,
+        /// The loaded names.
+        loaded: String,
+    },
+    /// Two requests share an id.
+    #[error("request id `{0}` appears more than once")]
+    DuplicateRequest(String),
+    /// `unload_adapter` named an adapter that is not loaded.
+    #[error("no adapter named `{0}` is loaded")]
+    NotLoaded(String),
+    /// The mapping builder refused the step (a bug if it happens).
+    #[error(transparent)]
+    Mapping(#[from] MappingError),
+    /// The slot table refused the step (a bug if it happens).
+    #[error(transparent)]
+    Meta(#[from] MetaError),
+    /// The device's results could not be read back.
+    #[error("reading results from the device: {0}")]
+    Readback(String),
+}
+
+/// A model on a device, the adapters loaded for it, and the adapters stacked in its slots.
+#[derive(Debug)]
+pub struct Engine {
+    model: Qwen2VlVision,
+    preprocess: PreprocessConfig,
+    device: RuntimeDevice,
+    options: EngineOptions,
+    registry: AdapterRegistry,
+    slots: SlotTable,
+    /// The adapter whose weights are stacked in each slot of the model's layers.
+    stacked: Vec<Option<AdapterKey>>,
+}
+
+impl Engine {
+    /// Loads the Qwen2-VL checkpoint in `model_dir` onto `device`.
+    pub fn open(
+        model_dir: &Path,
+        device: RuntimeDevice,
+        options: EngineOptions,
+    ) -> Result<Self, EngineError> {
+        check_options(&options)?;
+        let started = Instant::now();
+        let preprocess =
+            PreprocessConfig::from_model_dir(model_dir).map_err(EngineError::Preprocess)?;
+        let model = Qwen2VlVision::load(model_dir, &device.device)?;
+        let config = model.config();
+        let mismatch = [
+            ("patch_size", preprocess.patch_size, config.patch_size),
+            (
+                "temporal_patch_size",
+                preprocess.temporal_patch_size,
+                config.temporal_patch_size,
+            ),
+            (
+                "merge_size",
+                preprocess.merge_size,
+                config.spatial_merge_size,
+            ),
+        ]
+        .into_iter()
+        .find(|(_, processor, model)| processor != model);
+        if let Some((field, processor, model)) = mismatch {
+            return Err(EngineError::Inconsistent {
+                path: model_dir.join("preprocessor_config.json"),
+                reason: format!(
+                    "{field} is {processor} but config.json's vision_config has {model}"
+                ),
+            });
+        }
+        tracing::info!(
+            model = %model_dir.display(),
+            device = %device.description,
+            seconds = started.elapsed().as_secs_f64(),
+            "model loaded"
+        );
+        Ok(Self {
+            model,
+            preprocess,
+            device,
+            registry: AdapterRegistry::new(options.max_cpu_adapters),
+            slots: SlotTable::new(options.max_loras),
+            stacked: vec![None; options.max_loras],
+            options,
+        })
+    }
+
+    /// The device the model runs on.
+    pub fn device(&self) -> &RuntimeDevice {
+        &self.device
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Qwen2VlVision {
+        &self.model
+    }
+
+    /// The image processor's settings (from the model folder).
+    pub fn preprocess_config(&self) -> &PreprocessConfig {
+        &self.preprocess
+    }
+
+    /// The engine's limits.
+    pub fn options(&self) -> &EngineOptions {
+        &self.options
+    }
+
+    /// Loads the PEFT folder `dir` as `name`, replacing any adapter of that name. The adapter is
+    /// fully validated first: on error the engine is unchanged.
+    pub fn load_adapter(
+        &mut self,
+        name: &str,
+        dir: &Path,
+    ) -> Result<Arc<PeftAdapter>, EngineError> {
+        let key = self.read_adapter(name, dir)?;
+        Ok(self
+            .registry
+            .touch(key)
+            .expect("an adapter just read is in memory"))
+    }
+
+    /// Reads, validates and registers an adapter; returns the key of its content.
+    fn read_adapter(&mut self, name: &str, dir: &Path) -> Result<AdapterKey, EngineError> {
+        let targets = self.model.lora_targets();
+        let adapter = PeftAdapter::load(name, dir, &targets, self.options.max_rank)?;
+        tracing::info!(adapter = name, dir = %dir.display(), "adapter loaded");
+        Ok(self.registry.insert(adapter))
+    }
+
+    /// Forgets the adapter `name`.
+    pub fn unload_adapter(&mut self, name: &str) -> Result<(), EngineError> {
+        if self.registry.remove(name) {
+            Ok(())
+        } else {
+            Err(EngineError::NotLoaded(name.to_owned()))
+        }
+    }
+
+    /// The names of the loaded adapters, sorted.
+    pub fn adapter_names(&self) -> Vec<String> {
+        self.registry.names().map(str::to_owned).collect()
+    }
+
+    /// Encodes `requests`, each with its own adapter, in as few steps as the limits allow, and
+    /// returns one result per request in the same order. Everything is checked (ids, adapter
+    /// names, images) before anything runs; with `with_tower` the tower's output comes back too.
+    pub fn encode(
+        &mut self,
+        requests: &[Request],
+        with_tower: bool,
+    ) -> Result<Vec<Encoded>, EngineError> {
+        let mut ids = HashSet::new();
+        for request in requests {
+            if !ids.insert(request.id.as_str()) {
+                return Err(EngineError::DuplicateRequest(request.id.clone()));
+            }
+            if let Some(adapter) = &request.adapter
+                && self.registry.registration(adapter).is_none()
+            {
+                return Err(EngineError::UnknownAdapter {
+                    request: request.id.clone(),
+                    adapter: adapter.clone(),
+                    loaded: self.adapter_names().join(", "),
+                });
+            }
+        }
+        let patches = requests
+            .iter()
+            .map(|request| self.patches_of(request))
+            .collect::<Result<Vec<_>, _>>()?;
+
+        let mut tags: Vec<&str> = Vec::new();
+        let items: Vec<PlanItem> = requests
+            .iter()
+            .zip(&patches)
+            .map(|(request, patches)| PlanItem {
+                adapter: request.adapter.as_deref().map(|name| {
+                    tags.iter().position(|&t| t == name).unwrap_or_else(|| {
+                        tags.push(name);
+                        tags.len() - 1
+                    })
+                }),
+                rows: patches.rows(),
+            })
+            .collect();
+        let steps = plan_steps(&items, self.options.max_loras, self.options.max_step_rows);
+
+        let progress = if steps.len() > 1 {
+            ProgressBar::new(steps.len() as u64)
+        } else {
+            ProgressBar::hidden()
+        };
+        if let Ok(style) = ProgressStyle::with_template("encoding [{bar:30}] {pos}/{len} steps") {
+            progress.set_style(style);
+        }
+        let mut results: Vec<Option<Encoded>> = vec![None; requests.len()];
+        for (step, members) in steps.iter().enumerate() {
+            let outputs = self.run_step(step, members, requests, &patches, with_tower)?;
+            for (&i, output) in members.iter().zip(outputs) {
+                results[i] = Some(output);
+            }
+            progress.inc(1);
+        }
+        progress.finish_and_clear();
+        Ok(results
+            .into_iter()
+            .map(|r| r.expect("every request is planned in exactly one step"))
+            .collect())
+    }
+
+    /// The request's patches, checked against the model.
+    fn patches_of(&self, request: &Request) -> Result<Patches, EngineError> {
+        let image_error = |source| EngineError::Image {
+            request: request.id.clone(),
+            source,
+        };
+        let patches = match &request.image {
+            ImageSource::File(path) => {
+                let image = load_image(path).map_err(image_error)?;
+                preprocess(&image, &self.preprocess).map_err(image_error)?
+            }
+            ImageSource::Decoded(image) => {
+                preprocess(image, &self.preprocess).map_err(image_error)?
+            }
+            ImageSource::Patches(patches) => patches.clone(),
+        };
+        let config = self.model.config();
+        let [t, h, w] = patches.grid_thw;
+        let m = config.spatial_merge_size;
+        let reason = if t == 0 || h == 0 || w == 0 || h % m != 0 || w % m != 0 {
+            Some(format!(
+                "grid {:?} is empty or not a multiple of the merge size {m}",
+                patches.grid_thw
+            ))
+        } else if patches.pixel_values.len() != patches.rows() * config.patch_len() {
+            Some(format!(
+                "{} pixel values do not make {} rows of {}",
+                patches.pixel_values.len(),
+                patches.rows(),
+                config.patch_len()
+            ))
+        } else {
+            None
+        };
+        match reason {
+            Some(reason) => Err(EngineError::Patches {
+                request: request.id.clone(),
+                reason,
+            }),
+            None => Ok(patches),
+        }
+    }
+
+    /// One scheduler step over `requests[members]`.
+    fn run_step(
+        &mut self,
+        step: usize,
+        members: &[usize],
+        requests: &[Request],
+        patches: &[Patches],
+        with_tower: bool,
+    ) -> Result<Vec<Encoded>, EngineError> {
+        let keys = self.step_adapters(
+            members
+                .iter()
+                .filter_map(|&i| requests[i].adapter.as_deref()),
+        )?;
+        let merge = self.model.config().spatial_merge_size;
+
+        // The step as vLLM's scheduler hands it to the model runner: one image item per request.
+        let mut cache = EncoderCache::default();
+        let mut state = LoraState::new(members.len());
+        let mut batch_index = HashMap::new();
+        let mut scheduled = Vec::with_capacity(members.len());
+        for (index, &i) in members.iter().enumerate() {
+            let request = &requests[i];
+            cache.mm_features.insert(
+                request.id.clone(),
+                vec![MmFeature {
+                    identifier: request.id.clone(),
+                    modality: Modality::Image,
+                    position: PlaceholderRange::new(0, patches[i].rows() / (merge * merge)),
+                    has_data: true,
+                }],
+            );
+            let adapter = request.adapter.as_ref().map(|name| AdapterRequest {
+                name: name.clone(),
+                id: keys[name],
+                path: self
+                    .registry
+                    .registration(name)
+                    .map(|r| r.dir.clone())
+                    .unwrap_or_default(),
+            });
+            state.add_request(&request.id, index, adapter)?;
+            batch_index.insert(request.id.clone(), index);
+            scheduled.push((request.id.clone(), vec![0]));
+        }
+        let activation = set_active_mm_loras(
+            &SpatialMergeCounts { merge },
+            &cache,
+            &batch_index,
+            &state,
+            &scheduled,
+        )?
+        .expect("a step schedules at least one image");
+        self.activate(&activation.adapters.iter().map(|a| a.id).collect::<Vec<_>>())?;
+        let tower_meta = KernelMeta::from_mapping(&activation.tower, &self.slots)?;
+        let connector_meta = KernelMeta::from_mapping(
+            activation
+                .connector
+                .as_ref()
+                .expect("the spatial merger is a connector"),
+            &self.slots,
+        )?;
+
+        let started = Instant::now();
+        let on = &self.device.device;
+        let grids: Vec<[usize; 3]> = members.iter().map(|&i| patches[i].grid_thw).collect();
+        let rows: usize = members.iter().map(|&i| patches[i].rows()).sum();
+        let pixels: Vec<f32> = members
+            .iter()
+            .flat_map(|&i| patches[i].pixel_values.iter().copied())
+            .collect();
+        let pixels = Tensor::<2>::from_data(
+            TensorData::new(pixels, [rows, self.model.config().patch_len()]),
+            on,
+        );
+        let output = self.model.forward(
+            pixels,
+            &grids,
+            &LoraBatch::new(tower_meta, on),
+            &LoraBatch::new(connector_meta, on),
+        )?;
+        let embeds = read_back(output.embeds)?;
+        let tower = with_tower.then(|| read_back(output.tower)).transpose()?;
+        let step_time = started.elapsed();
+        tracing::debug!(
+            step,
+            requests = members.len(),
+            adapters = activation.adapters.len(),
+            rows,
+            ms = step_time.as_secs_f64() * 1e3,
+            "step encoded"
+        );
+
+        // Split the rows per request.
+        let mut start = 0;
+        Ok(members
+            .iter()
+            .map(|&i| {
+                let rows = patches[i].rows();
+                let tower = tower.as_ref().map(|t| t.rows(start, rows));
+                let embeds = embeds.rows(start / (merge * merge), rows / (merge * merge));
+                start += rows;
+                Encoded {
+                    id: requests[i].id.clone(),
+                    adapter: requests[i].adapter.clone(),
+                    grid_thw: patches[i].grid_thw,
+                    embeds,
+                    tower,
+                    step,
+                    step_time,
+                }
+            })
+            .collect())
+    }
+
+    /// Makes sure the named adapters' weights are in memory (reading evicted ones again from
+    /// their folders) and returns each one's key.
+    fn step_adapters<'a>(
+        &mut self,
+        names: impl Iterator<Item = &'a str>,
+    ) -> Result<HashMap<String, AdapterKey>, EngineError> {
+        let mut keys = HashMap::new();
+        let mut evicted = Vec::new();
+        // Touch the adapters in memory first, so reading the others back evicts none of them.
+        for name in names {
+            if keys.contains_key(name) || evicted.contains(&name) {
+                continue;
+            }
+            let key = self
+                .registry
+                .registration(name)
+                .expect("encode checked every adapter name")
+                .key;
+            match self.registry.touch(key) {
+                Some(_) => {
+                    keys.insert(name.to_owned(), key);
+                }
+                None => evicted.push(name),
+            }
+        }
+        for name in evicted {
+            let dir = self
+                .registry
+                .registration(name)
+                .expect("encode checked every adapter name")
+                .dir
+                .clone();
+            tracing::info!(
+                adapter = name,
+                "reading back an adapter evicted from memory"
+            );
+            let key = self.read_adapter(name, &dir)?;
+            keys.insert(name.to_owned(), key);
+        }
+        Ok(keys)
+    }
+
+    /// Puts `wanted` in GPU slots, freeing slots of adapters this step does not use only as
+    /// needed, and restacks the model's LoRA weights when the slots changed.
+    fn activate(&mut self, wanted: &[AdapterKey]) -> Result<(), EngineError> {
+        let n = self.slots.num_slots();
+        // Slots whose weights left memory cannot be restacked: free them.
+        for slot in 0..n {
+            if let Some(id) = self.slots.adapter_in(slot)
+                && self.registry.get(id).is_none()
+            {
+                self.slots.deactivate(id);
+            }
+        }
+        let missing = wanted
+            .iter()
+            .filter(|&&id| self.slots.slot_of(id).is_none())
+            .count();
+        let free = (0..n)
+            .filter(|&s| self.slots.adapter_in(s).is_none())
+            .count();
+        let idle: Vec<AdapterKey> = (0..n)
+            .filter_map(|s| self.slots.adapter_in(s))
+            .filter(|id| !wanted.contains(id))
+            .collect();
+        for id in idle.into_iter().take(missing.saturating_sub(free)) {
+            self.slots.deactivate(id);
+        }
+        for &id in wanted {
+            self.slots.activate(id)?;
+        }
+        let current: Vec<Option<AdapterKey>> = (0..n).map(|s| self.slots.adapter_in(s)).collect();
+        if current != self.stacked {
+            let adapters: Vec<Option<Arc<PeftAdapter>>> = current
+                .iter()
+                .map(|id| id.and_then(|id| self.registry.get(id).cloned()))
+                .collect();
+            let slotted: Vec<Option<&PeftAdapter>> =
+                adapters.iter().map(|a| a.as_deref()).collect();
+            install(&mut self.model, &slotted, &self.device.device);
+            tracing::debug!(slots = ?current, "adapters restacked");
+            self.stacked = current;
+        }
+        Ok(())
+    }
+}
+
+impl HostTensor {
+    /// Rows `start..start + count`.
+    fn rows(&self, start: usize, count: usize) -> HostTensor {
+        let width = self.shape[1];
+        HostTensor {
+            shape: [count, width],
+            values: self.values[start * width..(start + count) * width].to_vec(),
+        }
+    }
+}
+
+/// Reads a device tensor into host memory (waits for the device).
+fn read_back(tensor: Tensor<2>) -> Result<HostTensor, EngineError> {
+    let shape = tensor.dims();
+    let values = tensor
+        .into_data()
+        .try_to_vec::<f32>()
+        .map_err(|e| EngineError::Readback(format!("{e:?}")))?;
+    Ok(HostTensor { shape, values })
+}
+
+fn check_options(options: &EngineOptions) -> Result<(), EngineError> {
+    let problem = if options.max_loras == 0 {
+        Some("max_loras must be at least 1".to_owned())
+    } else if !(1..=MAX_RANK).contains(&options.max_rank) {
+        Some(format!("max_rank must be in 1..={MAX_RANK}"))
+    } else if options.max_cpu_adapters < options.max_loras {
+        Some(format!(
+            "max_cpu_adapters ({}) must be at least max_loras ({})",
+            options.max_cpu_adapters, options.max_loras
+        ))
+    } else if options.max_step_rows == 0 {
+        Some("max_step_rows must be at least 1".to_owned())
+    } else {
+        None
+    };
+    match problem {
+        Some(problem) => Err(EngineError::Options(problem)),
+        None => Ok(()),
+    }
+}

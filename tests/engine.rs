@@ -1,0 +1,235 @@
+//! The engine on the fixture model: mixed batches against transformers + PEFT, isolation,
+//! steps split by `max_loras`, adapter re-loading and eviction, and refusals that leave the
+//! engine as it was.
+
+mod common;
+
+use common::{Expected, fixture_dir, requests};
+use mmlora::device::{self, RuntimeDevice};
+use mmlora::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
+
+const ADAPTERS: [&str; 4] = ["all-r4", "patterns", "rslora-r8", "tower-r2"];
+
+fn engine(on: &RuntimeDevice, options: EngineOptions) -> Engine {
+    let mut engine = Engine::open(&fixture_dir(), on.clone(), options).unwrap();
+    for name in ADAPTERS {
+        engine
+            .load_adapter(name, &fixture_dir().join("adapters").join(name))
+            .unwrap();
+    }
+    engine
+}
+
+/// The fixture's requests, their images given as files.
+fn fixture_requests() -> Vec<Request> {
+    requests()
+        .into_iter()
+        .map(|r| Request {
+            image: ImageSource::File(fixture_dir().join(&r.image)),
+            id: r.id,
+            adapter: r.adapter,
+        })
+        .collect()
+}
+
+/// Relative Frobenius error of `actual` against `expected`, and the max abs error.
+fn errors(actual: &[f32], expected: &[f32]) -> (f64, f64) {
+    assert_eq!(actual.len(), expected.len());
+    let (mut diff, mut norm, mut worst) = (0.0f64, 0.0f64, 0.0f64);
+    for (a, e) in actual.iter().zip(expected) {
+        let d = f64::from(a - e);
+        diff += d * d;
+        norm += f64::from(*e).powi(2);
+        worst = worst.max(d.abs());
+    }
+    ((diff / norm).sqrt(), worst)
+}
+
+/// Every result against the fixture's transformers + PEFT outputs.
+fn assert_matches_fixtures(results: &[Encoded], rel_tol: f64, on: &str) {
+    let expected = Expected::load();
+    for result in results {
+        let tower = result.tower.as_ref().expect("asked for the tower");
+        for (name, actual) in [("tower", &tower.values), ("embeds", &result.embeds.values)] {
+            let (want, _) = expected.f32(&format!("{}.{name}", result.id));
+            let (rel, worst) = errors(actual, &want);
+            assert!(
+                rel <= rel_tol && worst <= 1e-4,
+                "{} ({:?}) {name} on {on}: rel {rel:e}, max {worst:e}",
+                result.id,
+                result.adapter
+            );
+        }
+    }
+}
+
+#[test]
+fn a_mixed_batch_from_image_files_matches_peft_on_cpu() {
+    let cpu = device::cpu();
+    let results = engine(&cpu, EngineOptions::default())
+        .encode(&fixture_requests(), true)
+        .unwrap();
+    assert_eq!(results.len(), 7);
+    assert!(results.iter().all(|r| r.step == 0), "one step fits all");
+    // Tolerance: rel. Frobenius 1e-5, max abs 1e-4 (the model issue's bounds).
+    assert_matches_fixtures(&results, 1e-5, &cpu.description);
+}
+
+#[test]
+fn a_mixed_batch_from_image_files_matches_peft_on_wgpu() {
+    let Some(gpu) = device::gpu_for_tests() else {
+        return;
+    };
+    let results = engine(&gpu, EngineOptions::default())
+        .encode(&fixture_requests(), true)
+        .unwrap();
+    // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4.
+    assert_matches_fixtures(&results, 1e-4, &gpu.description);
+}
+
+#[test]
+fn more_adapters_than_slots_run_in_several_steps_with_the_same_results() {
+    let cpu = device::cpu();
+    let options = EngineOptions {
+        max_loras: 1,
+        max_cpu_adapters: 1, // every adapter but the last is evicted and read back from disk
+        ..EngineOptions::default()
+    };
+    let results = engine(&cpu, options)
+        .encode(&fixture_requests(), true)
+        .unwrap();
+    let steps = results.iter().map(|r| r.step).max().unwrap() + 1;
+    assert_eq!(steps, 4, "four distinct adapters, one slot");
+    assert_matches_fixtures(&results, 1e-5, &cpu.description);
+}
+
+#[test]
+fn a_request_alone_equals_its_row_of_any_batch() {
+    let cpu = device::cpu();
+    let mut engine = engine(&cpu, EngineOptions::default());
+    let all = fixture_requests();
+    let together = engine.encode(&all, true).unwrap();
+    // Each alone, and in reverse order with the others.
+    let mut reversed = all.clone();
+    reversed.reverse();
+    let reversed = engine.encode(&reversed, true).unwrap();
+    for (i, request) in all.iter().enumerate() {
+        let alone = engine.encode(std::slice::from_ref(request), true).unwrap();
+        let other = reversed.iter().find(|r| r.id == request.id).unwrap();
+        for candidate in [&alone[0], other] {
+            // Tolerance: 1e-6 relative; the same rows through the same kernels, only the other
+            // rows of the matmuls differ.
+            let (rel, _) = errors(&candidate.embeds.values, &together[i].embeds.values);
+            assert!(rel <= 1e-6, "{}: embeds moved by {rel:e}", request.id);
+            let (rel, _) = errors(
+                &candidate.tower.as_ref().unwrap().values,
+                &together[i].tower.as_ref().unwrap().values,
+            );
+            assert!(rel <= 1e-6, "{}: tower moved by {rel:e}", request.id);
+        }
+    }
+}
+
+#[test]
+fn reloading_a_name_serves_the_new_content_and_a_failed_load_changes_nothing() {
+    let cpu = device::cpu();
+    let mut engine = Engine::open(&fixture_dir(), cpu.clone(), EngineOptions::default()).unwrap();
+    let adapters = fixture_dir().join("adapters");
+    let image = |adapter: &str| Request {
+        id: "request0".to_owned(),
+        image: ImageSource::File(fixture_dir().join("images/square.png")),
+        adapter: Some(adapter.to_owned()),
+    };
+    engine
+        .load_adapter("mine", &adapters.join("all-r4"))
+        .unwrap();
+    let first = engine.encode(&[image("mine")], true).unwrap();
+    assert_matches_fixtures(&first, 1e-5, "cpu"); // request0 is square.png with all-r4
+
+    // A failed load (a folder that is not an adapter) leaves "mine" as it was.
+    let error = engine
+        .load_adapter("mine", &fixture_dir().join("images"))
+        .unwrap_err();
+    assert!(matches!(error, EngineError::Adapter(_)), "{error}");
+    assert_eq!(engine.adapter_names(), ["mine"]);
+    let again = engine.encode(&[image("mine")], true).unwrap();
+    assert_eq!(again[0].embeds, first[0].embeds);
+
+    // The same name with other weights: the stacked slots must not serve the old ones.
+    engine
+        .load_adapter("mine", &adapters.join("tower-r2"))
+        .unwrap();
+    let reloaded = engine.encode(&[image("mine")], true).unwrap();
+    let (moved, _) = errors(&reloaded[0].embeds.values, &first[0].embeds.values);
+    assert!(moved > 1e-3, "re-loaded adapter served stale weights");
+    engine
+        .load_adapter("tower-r2", &adapters.join("tower-r2"))
+        .unwrap();
+    let direct = engine.encode(&[image("tower-r2")], true).unwrap();
+    assert_eq!(reloaded[0].embeds, direct[0].embeds);
+
+    engine.unload_adapter("mine").unwrap();
+    assert!(matches!(
+        engine.unload_adapter("mine"),
+        Err(EngineError::NotLoaded(_))
+    ));
+}
+
+#[test]
+fn bad_requests_are_refused_before_anything_runs() {
+    let cpu = device::cpu();
+    let mut engine = engine(&cpu, EngineOptions::default());
+    let good = fixture_requests();
+
+    let mut duplicate = good.clone();
+    duplicate[3].id = duplicate[0].id.clone();
+    let error = engine.encode(&duplicate, false).unwrap_err();
+    assert!(
+        matches!(&error, EngineError::DuplicateRequest(id) if id == "request0"),
+        "{error}"
+    );
+
+    let mut unknown = good.clone();
+    unknown[2].adapter = Some("nope".to_owned());
+    let error = engine.encode(&unknown, false).unwrap_err();
+    assert!(error.to_string().contains("request2") && error.to_string().contains("nope"));
+
+    let mut missing = good.clone();
+    missing[1].image = ImageSource::File(fixture_dir().join("images/missing.png"));
+    let error = engine.encode(&missing, false).unwrap_err();
+    assert!(error.to_string().contains("missing.png"), "{error}");
+
+    let mut bad_patches = good.clone();
+    bad_patches[4].image = ImageSource::Patches(mmlora::preprocess::Patches {
+        pixel_values: vec![0.0; 10],
+        grid_thw: [1, 2, 2],
+    });
+    let error = engine.encode(&bad_patches, false).unwrap_err();
+    assert!(error.to_string().contains("request4"), "{error}");
+
+    // Still serving, with the same results.
+    let results = engine.encode(&good, true).unwrap();
+    assert_matches_fixtures(&results, 1e-5, &cpu.description);
+}
+
+#[test]
+fn options_that_cannot_work_are_refused() {
+    for options in [
+        EngineOptions {
+            max_loras: 0,
+            ..EngineOptions::default()
+        },
+        EngineOptions {
+            max_loras: 8,
+            max_cpu_adapters: 4,
+            ..EngineOptions::default()
+        },
+        EngineOptions {
+            max_rank: 0,
+            ..EngineOptions::default()
+        },
+    ] {
+        let error = Engine::open(&fixture_dir(), device::cpu(), options).unwrap_err();
+        assert!(matches!(error, EngineError::Options(_)), "{error}");
+    }
+}
