@@ -6,7 +6,7 @@ mod common;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::{Expected, fixture_dir, requests};
+use common::{Expected, errors, fixture_dir, requests};
 use safetensors::SafeTensors;
 
 fn mmlora(args: &[&str]) -> Output {
@@ -56,15 +56,7 @@ fn assert_output_matches(file: &Path, id: &str, fixture_id: &str, rel_tol: f64) 
     for part in ["tower", "embeds"] {
         let actual = read_tensor(&written, &format!("{id}.{part}"));
         let (want, _) = expected.f32(&format!("{fixture_id}.{part}"));
-        assert_eq!(actual.len(), want.len(), "{id}.{part}");
-        let (mut diff, mut norm, mut worst) = (0.0f64, 0.0f64, 0.0f64);
-        for (a, e) in actual.iter().zip(&want) {
-            let d = a - f64::from(*e);
-            diff += d * d;
-            norm += f64::from(*e).powi(2);
-            worst = worst.max(d.abs());
-        }
-        let rel = (diff / norm).sqrt();
+        let (rel, worst) = errors(&actual, &want);
         assert!(
             rel <= rel_tol && worst <= 1e-4,
             "{id}.{part}: rel {rel:e}, max {worst:e}"

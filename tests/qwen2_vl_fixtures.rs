@@ -5,25 +5,11 @@
 mod common;
 
 use burn::tensor::{Tensor, TensorData};
-use common::{Expected, fixture_dir, requests};
+use common::{Expected, errors, fixture_dir, requests};
 use mmlora::device::{self, RuntimeDevice};
 use mmlora::lora::meta::{KernelMeta, NO_SLOT};
 use mmlora::lora::ops::LoraBatch;
 use mmlora::model::qwen2_vl::Qwen2VlVision;
-
-/// Relative Frobenius error and max abs error of `actual` against `expected`.
-fn errors(actual: &Tensor<2>, expected: &[f32]) -> (f64, f64) {
-    let actual = actual.clone().into_data().try_to_vec::<f32>().unwrap();
-    assert_eq!(actual.len(), expected.len());
-    let (mut diff, mut norm, mut worst) = (0.0f64, 0.0f64, 0.0f64);
-    for (a, e) in actual.iter().zip(expected) {
-        let d = f64::from(a - e);
-        diff += d * d;
-        norm += f64::from(*e) * f64::from(*e);
-        worst = worst.max(d.abs());
-    }
-    ((diff / norm).sqrt(), worst)
-}
 
 fn no_lora(rows: usize, device: &RuntimeDevice) -> LoraBatch {
     LoraBatch::new(
@@ -54,7 +40,8 @@ fn base_model_matches(on: &RuntimeDevice, rel_tol: f64) {
             .unwrap();
         for (name, actual) in [("tower", &out.tower), ("embeds", &out.embeds)] {
             let (want, _) = expected.f32(&format!("request{i}.{name}"));
-            let (rel, worst) = errors(actual, &want);
+            let actual = actual.clone().into_data().try_to_vec::<f32>().unwrap();
+            let (rel, worst) = errors(&actual, &want);
             assert!(
                 rel <= rel_tol && worst <= 1e-4,
                 "request{i} {name} on {}: rel {rel:e}, max {worst:e}",

@@ -76,3 +76,16 @@ impl Expected {
             .collect()
     }
 }
+
+/// Relative Frobenius error of `actual` against `expected`, and the max abs error.
+pub fn errors<A: Copy + Into<f64>>(actual: &[A], expected: &[f32]) -> (f64, f64) {
+    assert_eq!(actual.len(), expected.len());
+    let (mut diff, mut norm, mut worst) = (0.0f64, 0.0f64, 0.0f64);
+    for (&a, &e) in actual.iter().zip(expected) {
+        let d = a.into() - f64::from(e);
+        diff += d * d;
+        norm += f64::from(e).powi(2);
+        worst = worst.max(d.abs());
+    }
+    ((diff / norm).sqrt(), worst)
+}
