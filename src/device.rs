@@ -3,7 +3,7 @@
 use std::sync::OnceLock;
 
 use burn::tensor::Device;
-use burn::tensor::wgpu::{WgpuBackend, WgpuInitError, wgpu};
+use burn::tensor::wgpu::{WgpuBackend, WgpuInitError, WgpuSetup, wgpu};
 
 /// Which backend to run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -26,6 +26,9 @@ pub struct RuntimeDevice {
     pub description: String,
     /// Whether it is a GPU in hardware (not the CPU backend, not a software rasterizer).
     pub hardware_gpu: bool,
+    /// The wgpu instance, adapter, device and queue behind a GPU device, to share with other
+    /// wgpu code (a renderer) instead of opening a second device.
+    pub wgpu: Option<WgpuSetup>,
 }
 
 /// Why no GPU device could be had.
@@ -64,6 +67,7 @@ pub fn cpu() -> RuntimeDevice {
         device: Device::flex(),
         description: "cpu (Burn Flex backend)".to_owned(),
         hardware_gpu: false,
+        wgpu: None,
     }
 }
 
@@ -81,6 +85,7 @@ pub fn gpu() -> Result<RuntimeDevice, DeviceError> {
             device,
             description: describe(&info),
             hardware_gpu: info.device_type != wgpu::DeviceType::Cpu,
+            wgpu: Some(setup),
         })
     })
     .clone()

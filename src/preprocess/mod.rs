@@ -316,21 +316,14 @@ pub fn preprocess(image: &RgbImage, config: &PreprocessConfig) -> Result<Patches
     );
     let (gh, gw) = (height / p, width / p);
     let mut pixel_values = Vec::with_capacity(gh * gw * config.patch_len());
-    // Merge-block-major: blocks of m×m patches in raster order, patches in raster order
-    // inside a block; each patch row is [C][T][p][p], the T frames identical.
-    for by in 0..gh / m {
-        for bx in 0..gw / m {
-            for my in 0..m {
-                for mx in 0..m {
-                    let (py, px) = ((by * m + my) * p, (bx * m + mx) * p);
-                    for c in 0..3 {
-                        for _frame in 0..t {
-                            for y in 0..p {
-                                for x in 0..p {
-                                    pixel_values.push(pixel(c, py + y, px + x));
-                                }
-                            }
-                        }
+    // Each patch row is [C][T][p][p], the T frames identical.
+    for [_, row, column] in patch_positions([1, gh, gw], m) {
+        let (py, px) = (row * p, column * p);
+        for c in 0..3 {
+            for _frame in 0..t {
+                for y in 0..p {
+                    for x in 0..p {
+                        pixel_values.push(pixel(c, py + y, px + x));
                     }
                 }
             }
@@ -340,6 +333,29 @@ pub fn preprocess(image: &RgbImage, config: &PreprocessConfig) -> Result<Patches
         pixel_values,
         grid_thw: [1, gh, gw],
     })
+}
+
+/// Where each patch row (and so each tower row) of an image with grid `(t, h, w)` sits, as
+/// `[frame, patch row, patch column]`. Rows are merge-block-major: the `merge × merge` blocks in
+/// raster order, the patches of a block in raster order; the connector merges each block.
+pub fn patch_positions([t, h, w]: [usize; 3], merge: usize) -> Vec<[usize; 3]> {
+    let mut positions = Vec::with_capacity(t * h * w);
+    for frame in 0..t {
+        for block_row in 0..h / merge {
+            for block_column in 0..w / merge {
+                for row in 0..merge {
+                    for column in 0..merge {
+                        positions.push([
+                            frame,
+                            block_row * merge + row,
+                            block_column * merge + column,
+                        ]);
+                    }
+                }
+            }
+        }
+    }
+    positions
 }
 
 /// Pillow's fixed-point precision for 8-bit resampling.
@@ -454,6 +470,28 @@ fn resize_bicubic(image: &RgbImage, width: usize, height: usize) -> RgbImage {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn patch_positions_are_merge_block_major() {
+        let positions = patch_positions([1, 4, 6], 2);
+        assert_eq!(positions.len(), 24);
+        assert_eq!(
+            positions[..6],
+            [
+                [0, 0, 0],
+                [0, 0, 1],
+                [0, 1, 0],
+                [0, 1, 1],
+                [0, 0, 2],
+                [0, 0, 3]
+            ]
+        );
+        assert_eq!(positions[12], [0, 2, 0]); // the second row of blocks
+        let mut sorted = positions.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 24, "every patch exactly once");
+    }
+
     use super::*;
 
     #[test]

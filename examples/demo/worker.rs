@@ -1,0 +1,246 @@
+//! The demo's compute thread: it owns the engines (one per compute device, opened on first
+//! use) so the window never waits on the model.
+
+use std::path::PathBuf;
+use std::sync::mpsc::{Receiver, Sender};
+use std::time::Instant;
+
+use mmlora::device::{self, RuntimeDevice};
+use mmlora::engine::{Engine, EngineOptions, ImageSource, Request};
+
+use crate::analysis::{self, RunResult};
+
+/// Where the engine computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compute {
+    /// The GPU the window renders on.
+    Gpu,
+    /// Burn's CPU backend.
+    Cpu,
+}
+
+/// One row of the batch: an image and its adapter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchRow {
+    /// The image file.
+    pub image: PathBuf,
+    /// The adapter's name, or none.
+    pub adapter: Option<String>,
+}
+
+/// What the window asks of the worker.
+pub enum Job {
+    /// Load (or replace) an adapter.
+    LoadAdapter {
+        /// Its name.
+        name: String,
+        /// Its PEFT folder.
+        dir: PathBuf,
+    },
+    /// Forget an adapter.
+    Unload(String),
+    /// Encode a batch in one engine call.
+    Run {
+        /// The rows.
+        rows: Vec<BatchRow>,
+        /// Where.
+        on: Compute,
+    },
+}
+
+/// A loaded adapter, as the window lists it.
+#[derive(Debug, Clone)]
+pub struct AdapterInfo {
+    /// Its name.
+    pub name: String,
+    /// Its folder.
+    pub dir: PathBuf,
+    /// `r`, `lora_alpha` and whether it is rsLoRA.
+    pub summary: String,
+    /// The layers it covers.
+    pub targets: String,
+}
+
+/// What the worker tells the window.
+pub enum Reply {
+    /// An adapter is loaded.
+    AdapterLoaded(AdapterInfo),
+    /// An adapter is gone.
+    AdapterUnloaded(String),
+    /// A step of a long job.
+    Progress(String),
+    /// A batch finished.
+    RunDone(Box<RunResult>),
+    /// A batch failed; nothing was computed.
+    RunFailed(String),
+    /// Something failed; the engines are as they were.
+    Failed(String),
+}
+
+/// Serves `jobs` until the window goes away.
+pub fn serve(
+    model_dir: PathBuf,
+    gpu: Option<RuntimeDevice>,
+    jobs: Receiver<Job>,
+    replies: Sender<Reply>,
+    wake: impl Fn(),
+) {
+    let mut worker = Worker {
+        model_dir,
+        gpu,
+        engines: Vec::new(),
+        adapters: Vec::new(),
+    };
+    for job in jobs {
+        let reply = match job {
+            Job::LoadAdapter { name, dir } => worker.load(&name, dir),
+            Job::Unload(name) => worker.unload(&name),
+            Job::Run { rows, on } => {
+                let _ = replies.send(Reply::Progress(format!("encoding {} rows…", rows.len())));
+                wake();
+                worker.run(&rows, on)
+            }
+        };
+        if replies.send(reply).is_err() {
+            return;
+        }
+        wake();
+    }
+}
+
+struct Worker {
+    model_dir: PathBuf,
+    gpu: Option<RuntimeDevice>,
+    engines: Vec<(Compute, Engine)>,
+    /// Every loaded adapter, to load into engines opened later.
+    adapters: Vec<(String, PathBuf)>,
+}
+
+impl Worker {
+    fn engine(&mut self, on: Compute) -> Result<&mut Engine, String> {
+        if let Some(i) = self.engines.iter().position(|(c, _)| *c == on) {
+            return Ok(&mut self.engines[i].1);
+        }
+        let runtime = match on {
+            Compute::Cpu => device::cpu(),
+            Compute::Gpu => self.gpu.clone().ok_or("no GPU: use the CPU backend")?,
+        };
+        let mut engine = Engine::open(&self.model_dir, runtime, EngineOptions::default())
+            .map_err(|e| e.to_string())?;
+        for (name, dir) in &self.adapters {
+            engine.load_adapter(name, dir).map_err(|e| e.to_string())?;
+        }
+        self.engines.push((on, engine));
+        Ok(&mut self.engines.last_mut().expect("just pushed").1)
+    }
+
+    fn load(&mut self, name: &str, dir: PathBuf) -> Reply {
+        if self.engines.is_empty()
+            && let Err(error) = self.engine(Compute::Cpu)
+        {
+            return Reply::Failed(error);
+        }
+        let mut info = None;
+        for (_, engine) in &mut self.engines {
+            match engine.load_adapter(name, &dir) {
+                Ok(adapter) => {
+                    let config = &adapter.config;
+                    let mut kinds: Vec<String> = adapter
+                        .modules
+                        .keys()
+                        .map(|path| {
+                            path.strip_prefix("blocks.")
+                                .and_then(|rest| rest.split_once('.'))
+                                .map_or(path.as_str(), |(_, kind)| kind)
+                                .to_owned()
+                        })
+                        .collect();
+                    kinds.dedup();
+                    kinds.sort();
+                    kinds.dedup();
+                    info = Some(AdapterInfo {
+                        name: name.to_owned(),
+                        dir: dir.clone(),
+                        summary: format!(
+                            "r {} · alpha {}{}",
+                            config.r,
+                            config.lora_alpha,
+                            if config.use_rslora { " · rsLoRA" } else { "" }
+                        ),
+                        targets: format!("{} layers: {}", adapter.modules.len(), kinds.join(", ")),
+                    });
+                }
+                Err(error) => return Reply::Failed(error.to_string()),
+            }
+        }
+        self.adapters.retain(|(n, _)| n != name);
+        self.adapters.push((name.to_owned(), dir));
+        info.map_or_else(
+            || Reply::Failed("no engine".to_owned()),
+            Reply::AdapterLoaded,
+        )
+    }
+
+    fn unload(&mut self, name: &str) -> Reply {
+        for (_, engine) in &mut self.engines {
+            let _ = engine.unload_adapter(name);
+        }
+        self.adapters.retain(|(n, _)| n != name);
+        Reply::AdapterUnloaded(name.to_owned())
+    }
+
+    fn run(&mut self, rows: &[BatchRow], on: Compute) -> Reply {
+        match self.try_run(rows, on) {
+            Ok(result) => Reply::RunDone(Box::new(result)),
+            Err(error) => Reply::RunFailed(error),
+        }
+    }
+
+    fn try_run(&mut self, rows: &[BatchRow], on: Compute) -> Result<RunResult, String> {
+        if rows.is_empty() {
+            return Err("the batch is empty: add a row".to_owned());
+        }
+        // The rows, then each image once without adapter: the reference for the heatmaps.
+        let mut requests: Vec<Request> = rows
+            .iter()
+            .enumerate()
+            .map(|(i, row)| Request {
+                id: format!("row{i}"),
+                image: ImageSource::File(row.image.clone()),
+                adapter: row.adapter.clone(),
+            })
+            .collect();
+        let mut images: Vec<&PathBuf> = rows.iter().map(|r| &r.image).collect();
+        images.sort();
+        images.dedup();
+        for (i, image) in images.iter().enumerate() {
+            requests.push(Request {
+                id: format!("base{i}"),
+                image: ImageSource::File((*image).clone()),
+                adapter: None,
+            });
+        }
+        let engine = self.engine(on)?;
+        let device = engine.device().description.clone();
+        let merge = engine.model().config().spatial_merge_size;
+        let started = Instant::now();
+        let encoded = engine.encode(&requests, true).map_err(|e| e.to_string())?;
+        let seconds = started.elapsed().as_secs_f64();
+        let (rows_out, bases) = encoded.split_at(rows.len());
+        let base_of = |image: &PathBuf| {
+            let i = images
+                .iter()
+                .position(|m| *m == image)
+                .expect("every image has a base");
+            &bases[i]
+        };
+        Ok(analysis::summarise(
+            rows,
+            rows_out,
+            base_of,
+            merge,
+            (seconds, requests.len()),
+            device,
+        ))
+    }
+}
