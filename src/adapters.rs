@@ -240,6 +240,42 @@ impl PeftAdapter {
     }
 }
 
+impl PeftAdapter {
+    /// Checks an adapter built in memory against `targets`: known modules, ranks in
+    /// `1..=max_rank`, A and B of the module's shapes.
+    pub fn check(&self, targets: &[LoraTarget], max_rank: usize) -> Result<(), AdapterError> {
+        for (path, module) in &self.modules {
+            let incompatible = |reason: String| AdapterError::Incompatible {
+                adapter: self.name.clone(),
+                key: path.clone(),
+                reason,
+            };
+            let target = targets
+                .iter()
+                .find(|t| &t.path == path)
+                .ok_or_else(|| incompatible("not a LoRA target of this model".to_owned()))?;
+            if module.rank == 0 || module.rank > max_rank {
+                return Err(incompatible(format!(
+                    "rank {} is outside 1..={max_rank}",
+                    module.rank
+                )));
+            }
+            let (a, b) = (
+                module.rank * target.in_features,
+                target.out_features * module.rank,
+            );
+            if module.a.len() != a || module.b.len() != b {
+                return Err(incompatible(format!(
+                    "A has {} values and B {}, the model needs {a} and {b}",
+                    module.a.len(),
+                    module.b.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 impl AdapterConfig {
     /// Reads `dir/adapter_config.json` and refuses what per-row LoRA cannot serve.
     pub fn read(name: &str, dir: &Path) -> Result<Self, AdapterError> {

@@ -7,6 +7,7 @@
 //! CPU backend or in our WGSL kernels). [`device`] picks the backend.
 
 pub mod adapters;
+pub mod bench;
 pub mod device;
 pub mod engine;
 pub mod lora;

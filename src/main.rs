@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
+use cli::bench::BenchArgs;
 use cli::encode::EncodeArgs;
 use cli::inspect::InspectArgs;
 use cli::preprocess::PreprocessArgs;
@@ -30,6 +31,8 @@ enum Command {
     Preprocess(PreprocessArgs),
     /// List the GPU adapters wgpu sees and the one mmlora would use.
     Devices,
+    /// Time the tower + connector with many adapters mixed against the base model.
+    Bench(BenchArgs),
     /// Work with PEFT adapter folders.
     #[command(subcommand)]
     Adapters(AdaptersCommand),
@@ -59,6 +62,7 @@ fn main() -> ExitCode {
         Command::Encode(args) => cli::encode::run(args),
         Command::Preprocess(args) => cli::preprocess::run(args),
         Command::Devices => cli::devices::run(),
+        Command::Bench(args) => cli::bench::run(args),
         Command::Adapters(AdaptersCommand::Inspect(args)) => cli::inspect::run(args),
     };
     match result {

@@ -428,3 +428,58 @@ fn bad_inputs_fail_with_a_readable_error_and_leave_no_output() {
     );
     assert!(!preprocessed.exists());
 }
+
+#[test]
+fn bench_prints_one_json_object_per_configuration() {
+    let stdout = assert_success(&mmlora(&[
+        "bench",
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--images",
+        "2",
+        "--side",
+        "56",
+        "--adapters",
+        "1,2",
+        "--ranks",
+        "4",
+        "--repeats",
+        "1",
+        "--json",
+    ]));
+    let records: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect();
+    let configurations: Vec<(u64, u64)> = records
+        .iter()
+        .map(|r| (r["adapters"].as_u64().unwrap(), r["rank"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(configurations, [(0, 0), (1, 4), (2, 4)]);
+    for record in &records {
+        for field in [
+            "device",
+            "adapter_name",
+            "preset",
+            "images",
+            "side",
+            "adapters",
+            "rank",
+            "median_ms",
+            "img_per_s",
+            "ratio_vs_base",
+        ] {
+            assert!(!record[field].is_null(), "{field} missing in {record}");
+        }
+        assert_eq!(record["device"], "cpu");
+    }
+    let out = mmlora(&["bench", "--preset", "tiny", "--adapters", "0"]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("at least 1"),
+        "{}",
+        text(&out.stderr)
+    );
+}

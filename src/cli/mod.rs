@@ -1,6 +1,7 @@
 //! The `mmlora` subcommands. Each parses its files, calls the library, and prints; the logic a
 //! library user would need lives in the library.
 
+pub mod bench;
 pub mod devices;
 pub mod encode;
 pub mod inspect;

@@ -26,7 +26,7 @@ use crate::mapping::{
     AdapterRequest, EncoderCache, LoraState, MappingError, MmFeature, Modality, PlaceholderRange,
     SpatialMergeCounts, set_active_mm_loras,
 };
-use crate::model::qwen2_vl::{ModelError, Qwen2VlVision};
+use crate::model::qwen2_vl::{ModelError, Qwen2VlVision, VisionConfig};
 use crate::preprocess::{Patches, PreprocessConfig, PreprocessError, load_image, preprocess};
 use plan::{PlanItem, plan_steps};
 
@@ -198,28 +198,10 @@ impl Engine {
         let preprocess =
             PreprocessConfig::from_model_dir(model_dir).map_err(EngineError::Preprocess)?;
         let model = Qwen2VlVision::load(model_dir, &device.device)?;
-        let config = model.config();
-        let mismatch = [
-            ("patch_size", preprocess.patch_size, config.patch_size),
-            (
-                "temporal_patch_size",
-                preprocess.temporal_patch_size,
-                config.temporal_patch_size,
-            ),
-            (
-                "merge_size",
-                preprocess.merge_size,
-                config.spatial_merge_size,
-            ),
-        ]
-        .into_iter()
-        .find(|(_, processor, model)| processor != model);
-        if let Some((field, processor, model)) = mismatch {
+        if let Err(reason) = check_consistent(&preprocess, model.config()) {
             return Err(EngineError::Inconsistent {
                 path: model_dir.join("preprocessor_config.json"),
-                reason: format!(
-                    "{field} is {processor} but config.json's vision_config has {model}"
-                ),
+                reason,
             });
         }
         tracing::info!(
@@ -228,6 +210,19 @@ impl Engine {
             seconds = started.elapsed().as_secs_f64(),
             "model loaded"
         );
+        Self::with_model(model, preprocess, device, options)
+    }
+
+    /// An engine around a model already on `device` (e.g. [`Qwen2VlVision::random`]).
+    pub fn with_model(
+        model: Qwen2VlVision,
+        preprocess: PreprocessConfig,
+        device: RuntimeDevice,
+        options: EngineOptions,
+    ) -> Result<Self, EngineError> {
+        check_options(&options)?;
+        check_consistent(&preprocess, model.config())
+            .map_err(|reason| EngineError::Options(format!("the image processor: {reason}")))?;
         Ok(Self {
             model,
             preprocess,
@@ -271,6 +266,20 @@ impl Engine {
             .registry
             .touch(key)
             .expect("an adapter just read is in memory"))
+    }
+
+    /// Registers an adapter built in memory under its name, after checking it against the model.
+    /// Should its weights be evicted from memory, they are read again from `adapter.dir`.
+    pub fn insert_adapter(
+        &mut self,
+        adapter: PeftAdapter,
+    ) -> Result<Arc<PeftAdapter>, EngineError> {
+        adapter.check(&self.model.lora_targets(), self.options.max_rank)?;
+        let key = self.registry.insert(adapter);
+        Ok(self
+            .registry
+            .touch(key)
+            .expect("an adapter just inserted is in memory"))
     }
 
     /// Reads, validates and registers an adapter; returns the key of its content.
@@ -626,6 +635,32 @@ fn read_back(tensor: Tensor<2>) -> Result<HostTensor, EngineError> {
         .try_to_vec::<f32>()
         .map_err(|e| EngineError::Readback(format!("{e:?}")))?;
     Ok(HostTensor { shape, values })
+}
+
+/// Whether the image processor cuts patches the way the model reads them.
+fn check_consistent(preprocess: &PreprocessConfig, config: &VisionConfig) -> Result<(), String> {
+    let fields = [
+        ("patch_size", preprocess.patch_size, config.patch_size),
+        (
+            "temporal_patch_size",
+            preprocess.temporal_patch_size,
+            config.temporal_patch_size,
+        ),
+        (
+            "merge_size",
+            preprocess.merge_size,
+            config.spatial_merge_size,
+        ),
+    ];
+    match fields
+        .into_iter()
+        .find(|(_, processor, model)| processor != model)
+    {
+        Some((field, processor, model)) => Err(format!(
+            "{field} is {processor} but config.json's vision_config has {model}"
+        )),
+        None => Ok(()),
+    }
 }
 
 fn check_options(options: &EngineOptions) -> Result<(), EngineError> {

@@ -8,7 +8,7 @@ mod rotary;
 use std::path::Path;
 
 use burn::tensor::activation::{gelu, sigmoid, softmax};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Distribution, Tensor, TensorData};
 
 use crate::lora::linear::LoraLinear;
 use crate::lora::ops::{LoraBatch, LoraOpError};
@@ -103,12 +103,36 @@ impl Qwen2VlVision {
         };
         // Per block: 2 norms and 4 linears (weight + bias each); merger: 1 norm, 2 linears.
         ckpt.show_progress((config.depth * 12 + 7) as u64);
+        Self::build(
+            config,
+            device,
+            &mut CheckpointWeights {
+                ckpt,
+                prefix,
+                device,
+            },
+        )
+    }
+
+    /// A model of shape `config` with random weights (uniform, scaled by each linear's fan-in;
+    /// norms near identity), for benchmarks: the same layers, shapes and kernels as a loaded one.
+    pub fn random(config: VisionConfig, device: &Device) -> Self {
+        Self::build(config, device, &mut RandomWeights { device })
+            .expect("random weights always have the right shapes")
+    }
+
+    /// Assembles the model from `weights`, asking for each tensor by its checkpoint name.
+    fn build(
+        config: VisionConfig,
+        device: &Device,
+        weights: &mut impl WeightSource,
+    ) -> Result<Self, ModelError> {
         let (d, hidden) = (config.embed_dim, config.hidden_size);
         let mlp = d * config.mlp_ratio;
         let merged = d * config.spatial_merge_size * config.spatial_merge_size;
         let mut linear = |name: &str, out: usize, inp: usize| -> Result<LoraLinear, ModelError> {
-            let weight = ckpt.tensor(&format!("{prefix}{name}.weight"), [out, inp], device)?;
-            let bias = ckpt.tensor(&format!("{prefix}{name}.bias"), [out], device)?;
+            let weight = weights.tensor(&format!("{name}.weight"), [out, inp])?;
+            let bias = weights.tensor(&format!("{name}.bias"), [out])?;
             Ok(LoraLinear::new(weight, Some(bias)))
         };
         let mut blocks = Vec::with_capacity(config.depth);
@@ -125,8 +149,8 @@ impl Qwen2VlVision {
         let mlp2 = linear("merger.mlp.2", hidden, merged)?;
         let mut norm = |name: &str| -> Result<LayerNorm, ModelError> {
             Ok(LayerNorm {
-                weight: ckpt.tensor(&format!("{prefix}{name}.weight"), [d], device)?,
-                bias: ckpt.tensor(&format!("{prefix}{name}.bias"), [d], device)?,
+                weight: weights.tensor(&format!("{name}.weight"), [d])?,
+                bias: weights.tensor(&format!("{name}.bias"), [d])?,
             })
         };
         let blocks = blocks
@@ -148,11 +172,8 @@ impl Qwen2VlVision {
             mlp0,
             mlp2,
         };
-        let patch_embed: Tensor<2> = ckpt.tensor(
-            &format!("{prefix}patch_embed.proj.weight"),
-            [d, config.patch_len()],
-            device,
-        )?;
+        let patch_embed: Tensor<2> =
+            weights.tensor("patch_embed.proj.weight", [d, config.patch_len()])?;
         Ok(Self {
             patch_embed_t: patch_embed.transpose(),
             config,
@@ -289,6 +310,61 @@ impl Qwen2VlVision {
             start += len;
         }
         Ok(block.proj.forward(Tensor::cat(outputs, 0), tower)?)
+    }
+}
+
+/// Where [`Qwen2VlVision::build`] gets its tensors, by checkpoint name without the `visual.`
+/// prefix.
+trait WeightSource {
+    fn tensor<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+    ) -> Result<Tensor<D>, ModelError>;
+}
+
+/// A Hugging Face checkpoint.
+struct CheckpointWeights<'a> {
+    ckpt: Checkpoint,
+    prefix: &'static str,
+    device: &'a Device,
+}
+
+impl WeightSource for CheckpointWeights<'_> {
+    fn tensor<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+    ) -> Result<Tensor<D>, ModelError> {
+        let key = format!("{}{name}", self.prefix);
+        Ok(self.ckpt.tensor(&key, shape, self.device)?)
+    }
+}
+
+/// Random weights: linears uniform in ±1/√fan-in (the conv's fan-in is its patch length),
+/// biases in ±0.02, norms within 0.1 of identity.
+struct RandomWeights<'a> {
+    device: &'a Device,
+}
+
+impl WeightSource for RandomWeights<'_> {
+    fn tensor<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+    ) -> Result<Tensor<D>, ModelError> {
+        let norm = name.contains("norm") || name.contains("ln_q");
+        let range = match (norm, D) {
+            (true, _) => 0.1,
+            (false, 1) => 0.02,
+            (false, _) => 1.0 / (shape[1..].iter().product::<usize>() as f64).sqrt(),
+        };
+        let values = Tensor::<D>::random(shape, Distribution::Uniform(-range, range), self.device);
+        Ok(if norm && name.ends_with(".weight") {
+            values + 1.0
+        } else {
+            values
+        })
     }
 }
 

@@ -1,0 +1,313 @@
+//! Throughput of the whole tower + connector with many adapters mixed in one batch, against the
+//! same model with no adapter, on random weights in the real layout (`mmlora bench`).
+//!
+//! Each configuration gets its own engine around the same model and one warm-up call (kernel
+//! compilation and autotuning happen there); then the configurations take turns, `repeats`
+//! rounds, so slow drifts of the machine hit them alike. Each call ends by reading the outputs
+//! back, which waits for the device. The median per configuration is reported.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::adapters::{ModuleLora, PeftAdapter};
+use crate::device::RuntimeDevice;
+use crate::engine::{Engine, EngineError, EngineOptions, ImageSource, Request};
+use crate::model::qwen2_vl::{LoraTarget, Qwen2VlVision, VisionConfig};
+use crate::preprocess::{Patches, PreprocessConfig, smart_resize};
+
+/// A model shape to benchmark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Preset {
+    /// The bundled test model's shape: 2 blocks, width 32.
+    Tiny,
+    /// Qwen2-VL-2B's vision tower and merger: 32 blocks, width 1280, 16 heads, MLP 5120,
+    /// merger to 1536.
+    #[value(name = "qwen2-vl-2b")]
+    Qwen2Vl2b,
+}
+
+impl Preset {
+    /// The preset's name as the command line spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Tiny => "tiny",
+            Self::Qwen2Vl2b => "qwen2-vl-2b",
+        }
+    }
+
+    /// Its vision config.
+    pub fn config(self) -> VisionConfig {
+        let (depth, embed_dim, num_heads, hidden_size) = match self {
+            Self::Tiny => (2, 32, 2, 48),
+            Self::Qwen2Vl2b => (32, 1280, 16, 1536),
+        };
+        VisionConfig {
+            depth,
+            embed_dim,
+            hidden_size,
+            mlp_ratio: 4,
+            num_heads,
+            in_channels: 3,
+            patch_size: 14,
+            spatial_merge_size: 2,
+            temporal_patch_size: 2,
+            hidden_act: "quick_gelu".to_owned(),
+        }
+    }
+}
+
+/// What to measure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BenchSpec {
+    /// The model shape.
+    pub preset: Preset,
+    /// Images per batch.
+    pub images: usize,
+    /// Side of each (square) image in pixels before resizing to patches.
+    pub side: usize,
+    /// Distinct adapters mixed in the batch, one configuration each (1 = all images share one).
+    pub adapters: Vec<usize>,
+    /// Adapter ranks, crossed with `adapters`.
+    pub ranks: Vec<usize>,
+    /// Timed calls per configuration, after one warm-up call.
+    pub repeats: usize,
+}
+
+impl Default for BenchSpec {
+    /// 8 images of 224², base, one rank-16 adapter, and 8 distinct rank-16 adapters mixed.
+    fn default() -> Self {
+        Self {
+            preset: Preset::Qwen2Vl2b,
+            images: 8,
+            side: 224,
+            adapters: vec![1, 8],
+            ranks: vec![16],
+            repeats: 3,
+        }
+    }
+}
+
+/// One configuration's result (a line of `mmlora bench --json`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BenchRecord {
+    /// `cpu` or `gpu`.
+    pub device: String,
+    /// What the device is (adapter name, graphics API, type, driver).
+    pub adapter_name: String,
+    /// The model shape.
+    pub preset: String,
+    /// Images per batch.
+    pub images: usize,
+    /// Image side in pixels.
+    pub side: usize,
+    /// Distinct adapters mixed (0: the base model).
+    pub adapters: usize,
+    /// Adapter rank (0: the base model).
+    pub rank: usize,
+    /// Median time of one batch.
+    pub median_ms: f64,
+    /// Images per second at the median.
+    pub img_per_s: f64,
+    /// Base time / this time (1 for the base itself; above 0.95 is the target).
+    pub ratio_vs_base: f64,
+}
+
+/// Runs `spec` on `device`, telling `progress` what it is doing.
+pub fn run(
+    spec: &BenchSpec,
+    device: &RuntimeDevice,
+    device_kind: &str,
+    mut progress: impl FnMut(&str),
+) -> Result<Vec<BenchRecord>, EngineError> {
+    let config = spec.preset.config();
+    let preprocess = PreprocessConfig::default();
+    let model = Qwen2VlVision::random(config.clone(), &device.device);
+    let targets = config.lora_targets();
+    let requests = images(spec, &config, &preprocess)?;
+
+    let mut configurations = vec![(0, 0)];
+    for &rank in &spec.ranks {
+        configurations.extend(spec.adapters.iter().map(|&k| (k, rank)));
+    }
+    let mut runs = Vec::with_capacity(configurations.len());
+    for &(adapters, rank) in &configurations {
+        progress(&format!("preparing {adapters} adapters of rank {rank}"));
+        let options = EngineOptions {
+            max_loras: adapters.max(1),
+            max_rank: rank.max(1),
+            max_cpu_adapters: adapters.max(1),
+            max_step_rows: usize::MAX,
+        };
+        let mut engine =
+            Engine::with_model(model.clone(), preprocess.clone(), device.clone(), options)?;
+        for k in 0..adapters {
+            engine.insert_adapter(random_adapter(&format!("r{rank}-{k}"), &targets, rank, k))?;
+        }
+        let batch: Vec<Request> = requests
+            .iter()
+            .enumerate()
+            .map(|(i, r)| Request {
+                adapter: (adapters > 0).then(|| format!("r{rank}-{}", i % adapters)),
+                ..r.clone()
+            })
+            .collect();
+        engine.encode(&batch, false)?; // warm-up
+        runs.push((engine, batch, Vec::with_capacity(spec.repeats)));
+    }
+    for round in 0..spec.repeats.max(1) {
+        progress(&format!("round {} of {}", round + 1, spec.repeats.max(1)));
+        for (engine, batch, times) in &mut runs {
+            let started = Instant::now();
+            engine.encode(batch, false)?;
+            times.push(started.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let medians: Vec<f64> = runs.iter_mut().map(|(_, _, times)| median(times)).collect();
+    Ok(configurations
+        .iter()
+        .zip(&medians)
+        .map(|(&(adapters, rank), &median_ms)| BenchRecord {
+            device: device_kind.to_owned(),
+            adapter_name: device.description.clone(),
+            preset: spec.preset.name().to_owned(),
+            images: spec.images,
+            side: spec.side,
+            adapters,
+            rank,
+            median_ms,
+            img_per_s: spec.images as f64 / (median_ms / 1e3),
+            ratio_vs_base: medians[0] / median_ms,
+        })
+        .collect())
+}
+
+/// `spec.images` requests of random patches for square images of `spec.side` pixels.
+fn images(
+    spec: &BenchSpec,
+    config: &VisionConfig,
+    preprocess: &PreprocessConfig,
+) -> Result<Vec<Request>, EngineError> {
+    let factor = preprocess.patch_size * preprocess.merge_size;
+    let (height, width) = smart_resize(
+        spec.side,
+        spec.side,
+        factor,
+        preprocess.min_pixels,
+        preprocess.max_pixels,
+    )
+    .map_err(|e| EngineError::Options(format!("image side {}: {e}", spec.side)))?;
+    let grid_thw = [
+        1,
+        height / preprocess.patch_size,
+        width / preprocess.patch_size,
+    ];
+    let rows = grid_thw.iter().product::<usize>();
+    let mut random = XorShift(0x5eed);
+    Ok((0..spec.images)
+        .map(|i| Request {
+            id: format!("image{i}"),
+            image: ImageSource::Patches(Patches {
+                pixel_values: (0..rows * config.patch_len())
+                    .map(|_| random.uniform(2.0))
+                    .collect(),
+                grid_thw,
+            }),
+            adapter: None,
+        })
+        .collect())
+}
+
+/// An adapter on every target of rank `rank` (scale 1), A and B uniform and small.
+fn random_adapter(name: &str, targets: &[LoraTarget], rank: usize, seed: usize) -> PeftAdapter {
+    let mut random = XorShift(0x1234_5678 + seed as u64);
+    let modules: BTreeMap<String, ModuleLora> = targets
+        .iter()
+        .map(|t| {
+            let a_range = 1.0 / (t.in_features as f32).sqrt();
+            let module = ModuleLora {
+                rank,
+                a: (0..rank * t.in_features)
+                    .map(|_| random.uniform(a_range))
+                    .collect(),
+                b: (0..t.out_features * rank)
+                    .map(|_| random.uniform(0.01))
+                    .collect(),
+                scale: 1.0,
+            };
+            (t.path.clone(), module)
+        })
+        .collect();
+    PeftAdapter {
+        name: name.to_owned(),
+        dir: PathBuf::new(),
+        config: serde_json::from_value(serde_json::json!({"r": rank, "lora_alpha": rank}))
+            .expect("a minimal adapter config parses"),
+        modules,
+    }
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len() % 2 == 1 {
+        values[mid]
+    } else {
+        (values[mid - 1] + values[mid]) / 2.0
+    }
+}
+
+/// A small fixed-seed generator: benchmark inputs need to be the same each run, not good.
+struct XorShift(u64);
+
+impl XorShift {
+    /// Uniform in ±`range`.
+    fn uniform(&mut self, range: f32) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * range
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tiny_preset_runs_every_configuration() {
+        let spec = BenchSpec {
+            preset: Preset::Tiny,
+            images: 3,
+            side: 56,
+            adapters: vec![1, 3],
+            ranks: vec![2, 4],
+            repeats: 1,
+        };
+        let mut seen = Vec::new();
+        let records = run(&spec, &crate::device::cpu(), "cpu", |c| {
+            seen.push(c.to_owned())
+        })
+        .unwrap();
+        let configurations: Vec<(usize, usize)> =
+            records.iter().map(|r| (r.adapters, r.rank)).collect();
+        assert_eq!(configurations, [(0, 0), (1, 2), (3, 2), (1, 4), (3, 4)]);
+        assert_eq!(seen.len(), 5 + 1, "five configurations prepared, one round");
+        assert_eq!(records[0].ratio_vs_base, 1.0);
+        for record in &records {
+            assert!(
+                record.median_ms > 0.0 && record.img_per_s > 0.0,
+                "{record:?}"
+            );
+            assert_eq!((record.preset.as_str(), record.images), ("tiny", 3));
+        }
+    }
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
+}
