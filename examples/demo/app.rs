@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
 use std::sync::{Arc, Mutex};
 
 use eframe::egui::{
@@ -174,7 +174,18 @@ impl DemoApp {
 
     /// Takes in what the worker finished.
     fn receive(&mut self) {
-        while let Ok(reply) = self.replies.try_recv() {
+        loop {
+            let reply = match self.replies.try_recv() {
+                Ok(reply) => reply,
+                Err(TryRecvError::Empty) => return,
+                Err(TryRecvError::Disconnected) => {
+                    if self.running {
+                        self.running = false;
+                        self.errors.push("the compute thread stopped".to_owned());
+                    }
+                    return;
+                }
+            };
             match reply {
                 Reply::AdapterLoaded(info) => {
                     self.adapters.retain(|a| a.name != info.name);
