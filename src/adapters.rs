@@ -221,11 +221,7 @@ impl PeftAdapter {
                 .map_err(|reason| incompatible(&a_key, reason))?;
             let mut b = read_f32(&file, &b_key, [target.out_features, rank])
                 .map_err(|reason| incompatible(&b_key, reason))?;
-            let scale = if config.use_rslora {
-                alpha / (rank as f64).sqrt()
-            } else {
-                alpha / rank as f64
-            };
+            let scale = config.scale(rank, alpha);
             for value in &mut b {
                 *value = (f64::from(*value) * scale) as f32;
             }
@@ -241,6 +237,14 @@ impl PeftAdapter {
 }
 
 impl PeftAdapter {
+    /// The name an adapter gets when only its folder is given: the folder's name.
+    pub fn name_for(dir: &Path) -> String {
+        dir.file_name().map_or_else(
+            || "adapter".to_owned(),
+            |n| n.to_string_lossy().into_owned(),
+        )
+    }
+
     /// Checks an adapter built in memory against `targets`: known modules, ranks in
     /// `1..=max_rank`, A and B of the module's shapes.
     pub fn check(&self, targets: &[LoraTarget], max_rank: usize) -> Result<(), AdapterError> {
@@ -277,6 +281,16 @@ impl PeftAdapter {
 }
 
 impl AdapterConfig {
+    /// The factor folded into B for a module of `rank` and `alpha`: `alpha/r`, or `alpha/√r`
+    /// with rsLoRA.
+    pub fn scale(&self, rank: usize, alpha: f64) -> f64 {
+        if self.use_rslora {
+            alpha / (rank as f64).sqrt()
+        } else {
+            alpha / rank as f64
+        }
+    }
+
     /// Reads `dir/adapter_config.json` and refuses what per-row LoRA cannot serve.
     pub fn read(name: &str, dir: &Path) -> Result<Self, AdapterError> {
         let unsupported = |reason: String| AdapterError::Unsupported {

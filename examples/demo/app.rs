@@ -10,6 +10,7 @@ use eframe::egui::{
     Vec2, ViewportCommand,
 };
 use egui_plot::{Line, Plot, PlotPoints, Points};
+use mmlora::adapters::PeftAdapter;
 use mmlora::device::RuntimeDevice;
 
 use crate::analysis::{Heat, RunResult};
@@ -156,10 +157,7 @@ impl DemoApp {
     }
 
     fn load_adapter(&mut self, dir: PathBuf) {
-        let name = dir.file_name().map_or_else(
-            || "adapter".to_owned(),
-            |n| n.to_string_lossy().into_owned(),
-        );
+        let name = PeftAdapter::name_for(&dir);
         let _ = self.jobs.send(Job::LoadAdapter { name, dir });
     }
 

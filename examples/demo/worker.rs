@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use mmlora::device::{self, RuntimeDevice};
 use mmlora::engine::{Engine, EngineOptions, ImageSource, Request};
+use mmlora::model::qwen2_vl::LoraTarget;
 
 use crate::analysis::{self, RunResult};
 
@@ -145,18 +146,12 @@ impl Worker {
             match engine.load_adapter(name, &dir) {
                 Ok(adapter) => {
                     let config = &adapter.config;
-                    let mut kinds: Vec<String> = adapter
+                    let mut kinds: Vec<&str> = adapter
                         .modules
                         .keys()
-                        .map(|path| {
-                            path.strip_prefix("blocks.")
-                                .and_then(|rest| rest.split_once('.'))
-                                .map_or(path.as_str(), |(_, kind)| kind)
-                                .to_owned()
-                        })
+                        .map(|p| LoraTarget::kind(p))
                         .collect();
-                    kinds.dedup();
-                    kinds.sort();
+                    kinds.sort_unstable();
                     kinds.dedup();
                     info = Some(AdapterInfo {
                         name: name.to_owned(),

@@ -4,6 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use mmlora::adapters::PeftAdapter;
 use mmlora::device::{self, DeviceChoice};
 use mmlora::engine::{Encoded, Engine, EngineOptions, ImageSource, Request};
 use serde::Deserialize;
@@ -177,12 +178,7 @@ fn read_batch(path: &Path) -> Result<Job, CliError> {
 /// Images from the command line, all with one adapter (named after its folder) or none. Each
 /// request's id is the image's file name (`#2`, `#3`… for repeats).
 fn images_job(images: &[PathBuf], adapter: Option<&Path>) -> Job {
-    let name = adapter.map(|dir| {
-        dir.file_name().map_or_else(
-            || "adapter".to_owned(),
-            |n| n.to_string_lossy().into_owned(),
-        )
-    });
+    let name = adapter.map(PeftAdapter::name_for);
     let mut seen: HashMap<String, usize> = HashMap::new();
     let requests = images
         .iter()

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use mmlora::adapters::{AdapterConfig, AdapterError, PeftAdapter, TargetModules};
 use mmlora::engine::EngineOptions;
-use mmlora::model::qwen2_vl::VisionConfig;
+use mmlora::model::qwen2_vl::{LoraTarget, VisionConfig};
 
 use super::{CliError, default_model_dir};
 
@@ -24,16 +24,9 @@ pub struct InspectArgs {
 
 /// Runs `mmlora adapters inspect`: prints the adapter, then fails if the model cannot run it.
 pub fn run(args: InspectArgs) -> Result<(), CliError> {
-    let name = args.dir.file_name().map_or_else(
-        || "adapter".to_owned(),
-        |n| n.to_string_lossy().into_owned(),
-    );
+    let name = PeftAdapter::name_for(&args.dir);
     let config = AdapterConfig::read(&name, &args.dir)?;
-    let default_scale = if config.use_rslora {
-        config.lora_alpha / (config.r as f64).sqrt()
-    } else {
-        config.lora_alpha / config.r as f64
-    };
+    let default_scale = config.scale(config.r, config.lora_alpha);
     println!("adapter: {}", args.dir.display());
     println!(
         "rank {}, alpha {}, scale {default_scale} ({})",
@@ -66,11 +59,7 @@ pub fn run(args: InspectArgs) -> Result<(), CliError> {
             // Per kind of layer (`attn.qkv`, `merger.mlp.0`, …): how many layers, ranks, scales.
             let mut kinds: BTreeMap<String, (usize, Vec<usize>, Vec<f64>)> = BTreeMap::new();
             for (path, module) in &adapter.modules {
-                let kind = match path.strip_prefix("blocks.") {
-                    Some(rest) => rest.split_once('.').map_or(rest, |(_, k)| k).to_owned(),
-                    None => path.clone(),
-                };
-                let entry = kinds.entry(kind).or_default();
+                let entry = kinds.entry(LoraTarget::kind(path).to_owned()).or_default();
                 entry.0 += 1;
                 if !entry.1.contains(&module.rank) {
                     entry.1.push(module.rank);

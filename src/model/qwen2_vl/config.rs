@@ -42,6 +42,16 @@ pub struct LoraTarget {
     pub connector: bool,
 }
 
+impl LoraTarget {
+    /// The kind of layer at `path`, without the block index: `blocks.3.attn.qkv` → `attn.qkv`;
+    /// merger paths stay whole (`merger.mlp.0`).
+    pub fn kind(path: &str) -> &str {
+        path.strip_prefix("blocks.")
+            .and_then(|rest| rest.split_once('.'))
+            .map_or(path, |(_, kind)| kind)
+    }
+}
+
 /// `vision_config` as written on the hub (`in_chans`, `spatial_patch_size`) or by transformers
 /// (`in_channels`, `patch_size`); hub files carry both patch spellings.
 #[derive(Deserialize)]
@@ -195,6 +205,12 @@ mod tests {
         let dir = tempfile::TempDir::new().unwrap();
         std::fs::write(dir.path().join("config.json"), json).unwrap();
         VisionConfig::from_model_dir(dir.path())
+    }
+
+    #[test]
+    fn target_kinds_drop_the_block_index() {
+        assert_eq!(LoraTarget::kind("blocks.31.mlp.fc2"), "mlp.fc2");
+        assert_eq!(LoraTarget::kind("merger.mlp.0"), "merger.mlp.0");
     }
 
     #[test]
