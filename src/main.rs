@@ -45,6 +45,13 @@ enum AdaptersCommand {
 }
 
 fn main() -> ExitCode {
+    // Rust ignores SIGPIPE, so printing into a closed pipe (`mmlora … | head`) would panic;
+    // restore the default: the process ends quietly, as command-line tools do.
+    // SAFETY: no other thread exists yet; SIG_DFL is a valid handler.
+    #[cfg(unix)]
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
         // Mesa's Vulkan drivers print an error on every instance when this is unset (headless
