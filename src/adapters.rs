@@ -113,18 +113,22 @@ pub enum AdapterError {
         reason: String,
     },
     /// The adapter asks for something mmlora does not run.
-    #[error("adapter `{adapter}`: {reason}")]
+    #[error("adapter `{adapter}`: {path}: {reason}")]
     Unsupported {
         /// The adapter.
         adapter: String,
+        /// The file that asks for it.
+        path: PathBuf,
         /// What and where.
         reason: String,
     },
     /// A key does not fit the model.
-    #[error("adapter `{adapter}`, key `{key}`: {reason}")]
+    #[error("adapter `{adapter}`: {path}, key `{key}`: {reason}")]
     Incompatible {
         /// The adapter.
         adapter: String,
+        /// The file holding the key.
+        path: PathBuf,
         /// The key.
         key: String,
         /// Why.
@@ -141,21 +145,42 @@ impl PeftAdapter {
         targets: &[LoraTarget],
         max_rank: usize,
     ) -> Result<Self, AdapterError> {
-        let unsupported = |reason: String| AdapterError::Unsupported {
-            adapter: name.to_owned(),
-            reason,
-        };
         let config = AdapterConfig::read(name, dir)?;
-        let rank_pattern = Pattern::compile(name, &config.rank_pattern)?;
-        let alpha_pattern = Pattern::compile(name, &config.alpha_pattern)?;
         let weights_path = dir.join("adapter_model.safetensors");
         let bytes = std::fs::read(&weights_path).map_err(io_error(name, &weights_path))?;
-        let file = SafeTensors::deserialize(&bytes)
+        Self::from_safetensors(name, dir, config, &bytes, targets, max_rank)
+    }
+
+    /// Builds and validates adapter `name` of folder `dir` from its parsed configuration and the
+    /// bytes of its `adapter_model.safetensors`.
+    pub fn from_safetensors(
+        name: &str,
+        dir: &Path,
+        config: AdapterConfig,
+        bytes: &[u8],
+        targets: &[LoraTarget],
+        max_rank: usize,
+    ) -> Result<Self, AdapterError> {
+        let weights_path = dir.join("adapter_model.safetensors");
+        let config_path = dir.join("adapter_config.json");
+        let unsupported = |path: &Path, reason: String| AdapterError::Unsupported {
+            adapter: name.to_owned(),
+            path: path.to_owned(),
+            reason,
+        };
+        let rank_pattern = Pattern::compile(&config.rank_pattern)
+            .map_err(|reason| unsupported(&config_path, reason))?;
+        let alpha_pattern = Pattern::compile(&config.alpha_pattern)
+            .map_err(|reason| unsupported(&config_path, reason))?;
+        let covered = TargetFilter::compile(config.target_modules.as_ref())
+            .map_err(|reason| unsupported(&config_path, reason))?;
+        let file = SafeTensors::deserialize(bytes)
             .map_err(|e| format_error(name, &weights_path, e.to_string()))?;
         let by_path: HashMap<&str, &LoraTarget> =
             targets.iter().map(|t| (t.path.as_str(), t)).collect();
         let incompatible = |key: &str, reason: String| AdapterError::Incompatible {
             adapter: name.to_owned(),
+            path: weights_path.clone(),
             key: key.to_owned(),
             reason,
         };
@@ -187,13 +212,19 @@ impl PeftAdapter {
                     format!("`{path}` is not a LoRA target of this model"),
                 ));
             }
+            if !covered.covers(path) {
+                return Err(incompatible(
+                    key,
+                    format!("`{path}` is not among the config's target_modules"),
+                ));
+            }
             pairs.entry(path.to_owned()).or_default()[side] = Some(key.to_owned());
         }
         if pairs.is_empty() {
-            return Err(unsupported(format!(
-                "{} holds no LoRA weight for the vision tower or connector",
-                weights_path.display()
-            )));
+            return Err(unsupported(
+                &weights_path,
+                "holds no LoRA weight for the vision tower or connector".to_owned(),
+            ));
         }
 
         let mut modules = BTreeMap::new();
@@ -211,10 +242,10 @@ impl PeftAdapter {
             let alpha = alpha_pattern
                 .lookup(&full_name)
                 .unwrap_or(config.lora_alpha);
-            if rank > max_rank {
+            if rank == 0 || rank > max_rank {
                 return Err(incompatible(
                     &a_key,
-                    format!("rank {rank} is above max_rank {max_rank}"),
+                    format!("rank {rank} is outside 1..=max_rank {max_rank}"),
                 ));
             }
             let a = read_f32(&file, &a_key, [rank, target.in_features])
@@ -224,6 +255,12 @@ impl PeftAdapter {
             let scale = config.scale(rank, alpha);
             for value in &mut b {
                 *value = (f64::from(*value) * scale) as f32;
+            }
+            if let Some(bad) = b.iter().position(|v| !v.is_finite()) {
+                return Err(incompatible(
+                    &b_key,
+                    format!("element {bad} overflows f32 once scaled by {scale}"),
+                ));
             }
             modules.insert(path, ModuleLora { rank, a, b, scale });
         }
@@ -251,6 +288,7 @@ impl PeftAdapter {
         for (path, module) in &self.modules {
             let incompatible = |reason: String| AdapterError::Incompatible {
                 adapter: self.name.clone(),
+                path: self.dir.clone(),
                 key: path.clone(),
                 reason,
             };
@@ -293,34 +331,62 @@ impl AdapterConfig {
 
     /// Reads `dir/adapter_config.json` and refuses what per-row LoRA cannot serve.
     pub fn read(name: &str, dir: &Path) -> Result<Self, AdapterError> {
-        let unsupported = |reason: String| AdapterError::Unsupported {
-            adapter: name.to_owned(),
-            reason,
-        };
         let path = dir.join("adapter_config.json");
         let text = std::fs::read_to_string(&path).map_err(io_error(name, &path))?;
+        Self::parse(name, &path, &text)
+    }
+
+    /// Parses the text of adapter `name`'s `adapter_config.json` (read from `path`) and refuses
+    /// what per-row LoRA cannot serve.
+    pub fn parse(name: &str, path: &Path, text: &str) -> Result<Self, AdapterError> {
         let config: Self =
-            serde_json::from_str(&text).map_err(|e| format_error(name, &path, e.to_string()))?;
-        if let Some(kind) = config.peft_type.as_deref().filter(|k| *k != "LORA") {
-            return Err(unsupported(format!("peft_type {kind} is not LORA")));
+            serde_json::from_str(text).map_err(|e| format_error(name, path, e.to_string()))?;
+        match config.problem() {
+            Some(reason) => Err(AdapterError::Unsupported {
+                adapter: name.to_owned(),
+                path: path.to_owned(),
+                reason,
+            }),
+            None => Ok(config),
         }
-        if config.use_dora {
-            return Err(unsupported("DoRA (use_dora) is not supported".to_owned()));
+    }
+
+    /// What in this configuration mmlora refuses, if anything.
+    fn problem(&self) -> Option<String> {
+        if let Some(kind) = self.peft_type.as_deref().filter(|k| *k != "LORA") {
+            return Some(format!("peft_type {kind} is not LORA"));
         }
-        if let Some(modules) = config.modules_to_save.as_ref().filter(|m| !m.is_empty()) {
-            return Err(unsupported(format!(
+        if self.use_dora {
+            return Some("DoRA (use_dora) is not supported".to_owned());
+        }
+        if let Some(modules) = self.modules_to_save.as_ref().filter(|m| !m.is_empty()) {
+            return Some(format!(
                 "modules_to_save {modules:?} stores full modules, which per-row LoRA cannot serve"
-            )));
+            ));
         }
-        if let Some(bias) = config.bias.as_deref().filter(|b| *b != "none") {
-            return Err(unsupported(format!(
-                "bias = {bias} (trained biases) is not supported"
-            )));
+        if let Some(bias) = self.bias.as_deref().filter(|b| *b != "none") {
+            return Some(format!("bias = {bias} (trained biases) is not supported"));
         }
-        if config.r == 0 {
-            return Err(unsupported("r is 0".to_owned()));
+        if self.r == 0 {
+            return Some("r is 0".to_owned());
         }
-        Ok(config)
+        if let Some(key) = self
+            .rank_pattern
+            .iter()
+            .find_map(|(k, &r)| (r == 0).then_some(k))
+        {
+            return Some(format!("rank_pattern gives `{key}` rank 0"));
+        }
+        let alphas = std::iter::once(("lora_alpha", &self.lora_alpha))
+            .chain(self.alpha_pattern.iter().map(|(k, a)| (k.as_str(), a)));
+        for (key, &alpha) in alphas {
+            if !alpha.is_finite() || alpha == 0.0 {
+                return Some(format!(
+                    "alpha {alpha} for `{key}` would make the adapter do nothing or overflow"
+                ));
+            }
+        }
+        None
     }
 }
 
@@ -349,7 +415,7 @@ struct Pattern<T> {
 }
 
 impl<T: Copy> Pattern<T> {
-    fn compile(name: &str, patterns: &HashMap<String, T>) -> Result<Self, AdapterError> {
+    fn compile(patterns: &HashMap<String, T>) -> Result<Self, String> {
         let mut keys: Vec<&String> = patterns.keys().collect();
         keys.sort();
         let rules = keys
@@ -357,10 +423,7 @@ impl<T: Copy> Pattern<T> {
             .map(|key| {
                 Regex::new(&format!(r"^(.*\.)?(?:{key})$"))
                     .map(|re| (re, patterns[key]))
-                    .map_err(|e| AdapterError::Unsupported {
-                        adapter: name.to_owned(),
-                        reason: format!("pattern key `{key}` is not a valid regex: {e}"),
-                    })
+                    .map_err(|e| format!("pattern key `{key}` is not a valid regex: {e}"))
             })
             .collect::<Result<_, _>>()?;
         Ok(Self { rules })
@@ -371,6 +434,43 @@ impl<T: Copy> Pattern<T> {
             .iter()
             .find(|(re, _)| re.is_match(module))
             .map(|&(_, value)| value)
+    }
+}
+
+/// `target_modules` as PEFT matches it against module names: a list entry matches the name or
+/// its last dotted parts, a string is a regex over the whole name (`all-linear`: everything).
+/// Names are tried as transformers 5 (`model.visual.…`) and 4 (`visual.…`) spell them.
+enum TargetFilter {
+    All,
+    Suffixes(Vec<String>),
+    Regex(Regex),
+}
+
+impl TargetFilter {
+    fn compile(targets: Option<&TargetModules>) -> Result<Self, String> {
+        Ok(match targets {
+            None => Self::All,
+            Some(TargetModules::Regex(pattern)) if pattern == "all-linear" => Self::All,
+            Some(TargetModules::Regex(pattern)) => Self::Regex(
+                Regex::new(&format!("^(?:{pattern})$"))
+                    .map_err(|e| format!("target_modules `{pattern}` is not a valid regex: {e}"))?,
+            ),
+            Some(TargetModules::List(suffixes)) => Self::Suffixes(suffixes.clone()),
+        })
+    }
+
+    /// Whether the target at `path` (`blocks.0.attn.qkv`) is covered.
+    fn covers(&self, path: &str) -> bool {
+        let names = [format!("model.visual.{path}"), format!("visual.{path}")];
+        match self {
+            Self::All => true,
+            Self::Regex(re) => names.iter().any(|name| re.is_match(name)),
+            Self::Suffixes(suffixes) => suffixes.iter().any(|suffix| {
+                names[0]
+                    .strip_suffix(suffix.as_str())
+                    .is_some_and(|head| head.is_empty() || head.ends_with('.'))
+            }),
+        }
     }
 }
 

@@ -220,8 +220,9 @@ fn images(
         .collect())
 }
 
-/// An adapter on every target of rank `rank` (scale 1), A and B uniform and small.
-fn random_adapter(name: &str, targets: &[LoraTarget], rank: usize, seed: usize) -> PeftAdapter {
+/// An adapter on every target of rank `rank` (scale 1), A and B uniform and small, the same
+/// for the same `seed`: for benchmarks and tests.
+pub fn random_adapter(name: &str, targets: &[LoraTarget], rank: usize, seed: usize) -> PeftAdapter {
     let mut random = XorShift(0x1234_5678 + seed as u64);
     let modules: BTreeMap<String, ModuleLora> = targets
         .iter()

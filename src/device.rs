@@ -26,6 +26,9 @@ pub struct RuntimeDevice {
     pub description: String,
     /// Whether it is a GPU in hardware (not the CPU backend, not a software rasterizer).
     pub hardware_gpu: bool,
+    /// The largest buffer one kernel may bind, in bytes: the smaller of the device's
+    /// storage-binding and buffer-size limits (`None` on the CPU backend).
+    pub buffer_limit: Option<u64>,
     /// The wgpu instance, adapter, device and queue behind a GPU device, to share with other
     /// wgpu code (a renderer) instead of opening a second device.
     pub wgpu: Option<WgpuSetup>,
@@ -67,6 +70,7 @@ pub fn cpu() -> RuntimeDevice {
         device: Device::flex(),
         description: "cpu (Burn Flex backend)".to_owned(),
         hardware_gpu: false,
+        buffer_limit: None,
         wgpu: None,
     }
 }
@@ -80,15 +84,60 @@ pub fn gpu() -> Result<RuntimeDevice, DeviceError> {
             .graphics_api(api)
             .init_with_setup()
             .map_err(|e: WgpuInitError| DeviceError::NoAdapter(e.to_string()))?;
-        let info = setup.adapter.get_info();
-        Ok(RuntimeDevice {
-            device,
-            description: describe(&info),
-            hardware_gpu: info.device_type != wgpu::DeviceType::Cpu,
-            wgpu: Some(setup),
-        })
+        Ok(wgpu_device(device, setup))
     })
     .clone()
+}
+
+/// A new wgpu device on the adapter [`gpu`] uses, independent of it and of every other device:
+/// what an engine is rebuilt on after its device was lost.
+pub fn gpu_new() -> Result<RuntimeDevice, DeviceError> {
+    let first = gpu()?;
+    let setup = first.wgpu.expect("a GPU device keeps its wgpu setup");
+    let adapter = setup.adapter.clone();
+    let (device, queue) = pollster::block_on(
+        adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("mmlora"),
+            // As Burn asks for its own device: everything the adapter offers.
+            required_features: adapter
+                .features()
+                .difference(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS),
+            required_limits: adapter.limits(),
+            memory_hints: wgpu::MemoryHints::MemoryUsage,
+            trace: wgpu::Trace::Off,
+            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+        }),
+    )
+    .map_err(|e| DeviceError::NoAdapter(e.to_string()))?;
+    let setup = WgpuSetup {
+        instance: setup.instance.clone(),
+        adapter,
+        device,
+        queue,
+        backend: setup.backend,
+    };
+    let device = Device::wgpu_options()
+        .setup(setup.clone())
+        .init()
+        .map_err(|e: WgpuInitError| DeviceError::NoAdapter(e.to_string()))?;
+    Ok(wgpu_device(device, setup))
+}
+
+/// A Burn device with what describes it.
+fn wgpu_device(device: Device, setup: WgpuSetup) -> RuntimeDevice {
+    let info = setup.adapter.get_info();
+    let limits = setup.device.limits();
+    RuntimeDevice {
+        device,
+        description: describe(&info),
+        hardware_gpu: info.device_type != wgpu::DeviceType::Cpu,
+        buffer_limit: Some(
+            limits
+                .max_storage_buffer_binding_size
+                .min(limits.max_buffer_size),
+        ),
+        wgpu: Some(setup),
+    }
 }
 
 /// The device for `choice`.

@@ -255,6 +255,19 @@ pub enum MappingError {
         /// The request id.
         request: String,
     },
+    /// The adapter id at a request's batch index is not the request's own adapter (two requests
+    /// share a batch index).
+    #[error(
+        "request `{request}`: batch index {index} holds adapter id {id}, not the request's adapter"
+    )]
+    StateMismatch {
+        /// The request id.
+        request: String,
+        /// Its batch index.
+        index: usize,
+        /// The id found at that index.
+        id: AdapterId,
+    },
 }
 
 /// Builds the TOWER and CONNECTOR mappings for one encoder step.
@@ -306,10 +319,19 @@ pub fn set_active_mm_loras(
             prompt_mapping.push(adapter_id);
             tower_mapping.extend(std::iter::repeat_n(adapter_id, tower_tokens));
             tower_counts.push(tower_tokens);
-            if adapter_id != NO_ADAPTER
-                && let Some(request) = lora_state.adapter_request(req_id)
-            {
-                adapters.insert(request.id, request.clone());
+            if adapter_id != NO_ADAPTER {
+                match lora_state.adapter_request(req_id) {
+                    Some(request) if request.id == adapter_id => {
+                        adapters.insert(request.id, request.clone());
+                    }
+                    _ => {
+                        return Err(MappingError::StateMismatch {
+                            request: req_id.clone(),
+                            index,
+                            id: adapter_id,
+                        });
+                    }
+                }
             }
         }
     }
@@ -612,6 +634,19 @@ mod tests {
                 &scheduled(&[("ghost", &[0])])
             ),
             Err(MappingError::MissingFeatures { .. })
+        ));
+        // Two requests on one batch index: the id there is not `req-no-lora`'s adapter.
+        let mut shared = index.clone();
+        shared.insert("req-no-lora".to_owned(), 0);
+        assert!(matches!(
+            set_active_mm_loras(
+                &model,
+                &cache,
+                &shared,
+                &state,
+                &scheduled(&[("req-no-lora", &[0])])
+            ),
+            Err(MappingError::StateMismatch { index: 0, .. })
         ));
         let mut state = LoraState::new(1);
         let zero = AdapterRequest {

@@ -1,16 +1,16 @@
 //! `mmlora encode`: images (each with an adapter or none) → per-request embeddings.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use mmlora::adapters::PeftAdapter;
 use mmlora::device::{self, DeviceChoice};
+use mmlora::engine::batch::Batch;
 use mmlora::engine::{Encoded, Engine, EngineOptions, ImageSource, Request};
-use serde::Deserialize;
 
 use super::output::{OutputTensor, write_safetensors};
-use super::{CliError, default_model_dir, resolve};
+use super::{CliError, default_model_dir};
 
 /// Arguments of `mmlora encode`.
 #[derive(Debug, clap::Args)]
@@ -45,34 +45,10 @@ pub struct EncodeArgs {
     max_rank: usize,
 }
 
-/// A batch file as written by users.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct BatchFile {
-    #[serde(default)]
-    adapters: BTreeMap<String, PathBuf>,
-    requests: Vec<BatchRequest>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct BatchRequest {
-    id: String,
-    image: PathBuf,
-    #[serde(default)]
-    adapter: Option<String>,
-}
-
-/// What to encode: adapters to load and requests.
-struct Job {
-    adapters: Vec<(String, PathBuf)>,
-    requests: Vec<Request>,
-}
-
 /// Runs `mmlora encode`.
 pub fn run(args: EncodeArgs) -> Result<(), CliError> {
     let model_dir = args.model.clone().unwrap_or_else(default_model_dir);
-    let job = job(&args, &model_dir)?;
+    let job = batch(&args, &model_dir)?;
     if let Some(out) = &args.out {
         check_writable_folder(out)?;
     }
@@ -125,9 +101,9 @@ fn summary_line(result: &Encoded, steps: usize) -> String {
 }
 
 /// The job the arguments describe.
-fn job(args: &EncodeArgs, model_dir: &Path) -> Result<Job, CliError> {
+fn batch(args: &EncodeArgs, model_dir: &Path) -> Result<Batch, CliError> {
     if let Some(batch) = &args.batch {
-        return read_batch(batch);
+        return Ok(Batch::read(batch)?);
     }
     if !args.images.is_empty() {
         return Ok(images_job(&args.images, args.adapter.as_deref()));
@@ -139,45 +115,12 @@ fn job(args: &EncodeArgs, model_dir: &Path) -> Result<Job, CliError> {
                 .to_owned(),
         ));
     }
-    read_batch(&model_dir.join("batch.json"))
-}
-
-/// Reads a batch file; its paths are relative to its folder.
-fn read_batch(path: &Path) -> Result<Job, CliError> {
-    let text = std::fs::read_to_string(path).map_err(|source| CliError::Read {
-        path: path.to_owned(),
-        source,
-    })?;
-    let invalid = |reason: String| CliError::Batch {
-        path: path.to_owned(),
-        reason,
-    };
-    let batch: BatchFile = serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
-    if batch.requests.is_empty() {
-        return Err(invalid("the batch has no requests".to_owned()));
-    }
-    let base = path.parent().unwrap_or(Path::new("."));
-    Ok(Job {
-        adapters: batch
-            .adapters
-            .into_iter()
-            .map(|(name, dir)| (name, resolve(base, &dir)))
-            .collect(),
-        requests: batch
-            .requests
-            .into_iter()
-            .map(|r| Request {
-                id: r.id,
-                image: ImageSource::File(resolve(base, &r.image)),
-                adapter: r.adapter,
-            })
-            .collect(),
-    })
+    Ok(Batch::read(&model_dir.join("batch.json"))?)
 }
 
 /// Images from the command line, all with one adapter (named after its folder) or none. Each
 /// request's id is the image's file name (`#2`, `#3`… for repeats).
-fn images_job(images: &[PathBuf], adapter: Option<&Path>) -> Job {
+fn images_job(images: &[PathBuf], adapter: Option<&Path>) -> Batch {
     let name = adapter.map(PeftAdapter::name_for);
     let mut seen: HashMap<String, usize> = HashMap::new();
     let requests = images
@@ -200,7 +143,7 @@ fn images_job(images: &[PathBuf], adapter: Option<&Path>) -> Job {
             }
         })
         .collect();
-    Job {
+    Batch {
         adapters: name
             .zip(adapter)
             .map(|(name, dir)| (name, dir.to_owned()))

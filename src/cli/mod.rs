@@ -8,11 +8,12 @@ pub mod inspect;
 mod output;
 pub mod preprocess;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use mmlora::adapters::AdapterError;
 use mmlora::device::DeviceError;
 use mmlora::engine::EngineError;
+use mmlora::engine::batch::BatchError;
 use mmlora::model::qwen2_vl::ConfigError;
 use mmlora::preprocess::PreprocessError;
 
@@ -25,22 +26,9 @@ pub fn default_model_dir() -> PathBuf {
 /// Why a command failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
-    /// A file the command was given could not be read.
-    #[error("cannot read {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The batch file is not valid.
-    #[error("{path}: {reason}")]
-    Batch {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        reason: String,
-    },
+    /// The batch file could not be used.
+    #[error(transparent)]
+    Batch(#[from] BatchError),
     /// The arguments do not make a job.
     #[error("{0}")]
     Usage(String),
@@ -75,13 +63,4 @@ pub enum CliError {
     /// An image could not be read or processed.
     #[error(transparent)]
     Preprocess(#[from] PreprocessError),
-}
-
-/// `path` with `~`-free relative paths resolved against `base`.
-fn resolve(base: &Path, path: &Path) -> PathBuf {
-    if path.is_absolute() {
-        path.to_owned()
-    } else {
-        base.join(path)
-    }
 }

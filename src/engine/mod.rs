@@ -6,13 +6,20 @@
 //! table (restacking the model's LoRA weights only when the slots changed), turn the mappings
 //! into kernel metadata, run tower and connector once over the step, split per request.
 
+pub mod batch;
 pub mod plan;
+mod shared;
 
+pub use shared::SharedEngine;
+
+use std::any::Any;
 use std::collections::{HashMap, HashSet};
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use burn::tensor::wgpu::wgpu;
 use burn::tensor::{Tensor, TensorData};
 use image::RgbImage;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -156,6 +163,18 @@ pub enum EngineError {
         /// The loaded names.
         loaded: String,
     },
+    /// One image has more patches than a step can hold on this device.
+    #[error(
+        "request `{request}`: the image has {rows} patches, more than the {limit} one step can hold within this device's buffer limit; use a smaller image or max_pixels"
+    )]
+    TooLarge {
+        /// The request id.
+        request: String,
+        /// Its patches.
+        rows: usize,
+        /// The most rows per step.
+        limit: usize,
+    },
     /// Two requests share an id.
     #[error("request id `{0}` appears more than once")]
     DuplicateRequest(String),
@@ -168,9 +187,15 @@ pub enum EngineError {
     /// The slot table refused the step (a bug if it happens).
     #[error(transparent)]
     Meta(#[from] MetaError),
-    /// The device's results could not be read back.
-    #[error("reading results from the device: {0}")]
-    Readback(String),
+    /// A thread panicked while holding a [`SharedEngine`]'s lock: its state is unknown.
+    #[error("the engine was poisoned by a panic in another thread; build a new one")]
+    Poisoned,
+    /// The device could not run a step (e.g. a buffer over its limits); the engine still works.
+    #[error("the device could not run the step: {0}")]
+    Execution(String),
+    /// The device was lost: this engine cannot run again; rebuild it on a new device.
+    #[error("the device was lost ({0}); rebuild the engine on a new device (Engine::rebuild)")]
+    DeviceLost(String),
 }
 
 /// A model on a device, the adapters loaded for it, and the adapters stacked in its slots.
@@ -184,6 +209,10 @@ pub struct Engine {
     slots: SlotTable,
     /// The adapter whose weights are stacked in each slot of the model's layers.
     stacked: Vec<Option<AdapterKey>>,
+    /// The folder the model was read from (none for a model built in memory).
+    model_dir: Option<PathBuf>,
+    /// Why the device was lost, once it was.
+    lost: Option<String>,
 }
 
 impl Engine {
@@ -210,12 +239,37 @@ impl Engine {
             seconds = started.elapsed().as_secs_f64(),
             "model loaded"
         );
-        Self::with_model(model, preprocess, device, options)
+        let mut engine = Self::with_model(model, preprocess, device, options)?;
+        engine.model_dir = Some(model_dir.to_owned());
+        Ok(engine)
+    }
+
+    /// A new engine like this one on `device` (after this one's device was lost, say): the
+    /// model read again from its folder and every adapter registered again, from memory or
+    /// from its folder. This engine is left as it was.
+    pub fn rebuild(&self, device: RuntimeDevice) -> Result<Engine, EngineError> {
+        let Some(model_dir) = &self.model_dir else {
+            return Err(EngineError::Options(
+                "an engine around a model built in memory cannot be rebuilt".to_owned(),
+            ));
+        };
+        let mut engine = Engine::open(model_dir, device, self.options)?;
+        for name in self.registry.names() {
+            let registration = self
+                .registry
+                .registration(name)
+                .expect("a listed name is registered");
+            match self.registry.get(registration.key) {
+                Some(adapter) => engine.insert_adapter(PeftAdapter::clone(adapter))?,
+                None => engine.load_adapter(name, &registration.dir)?,
+            };
+        }
+        Ok(engine)
     }
 
     /// An engine around a model already on `device` (e.g. [`Qwen2VlVision::random`]).
     pub fn with_model(
-        model: Qwen2VlVision,
+        mut model: Qwen2VlVision,
         preprocess: PreprocessConfig,
         device: RuntimeDevice,
         options: EngineOptions,
@@ -223,6 +277,9 @@ impl Engine {
         check_options(&options)?;
         check_consistent(&preprocess, model.config())
             .map_err(|reason| EngineError::Options(format!("the image processor: {reason}")))?;
+        if let Some(limit) = device.buffer_limit {
+            model.set_buffer_limit(limit.min(model.buffer_limit()));
+        }
         Ok(Self {
             model,
             preprocess,
@@ -231,6 +288,8 @@ impl Engine {
             slots: SlotTable::new(options.max_loras),
             stacked: vec![None; options.max_loras],
             options,
+            model_dir: None,
+            lost: None,
         })
     }
 
@@ -312,11 +371,24 @@ impl Engine {
         requests: &[Request],
         with_tower: bool,
     ) -> Result<Vec<Encoded>, EngineError> {
-        let mut ids = HashSet::new();
+        check_ids(requests)?;
+        self.check_adapters(requests)?;
+        let patches = requests
+            .iter()
+            .map(|request| request_patches(request, &self.preprocess, self.model.config()))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.encode_patches(requests, &patches, with_tower)
+    }
+
+    /// The most tower rows one step runs: `max_step_rows`, or fewer where the device's buffer
+    /// limit allows fewer.
+    pub fn step_rows(&self) -> usize {
+        self.options.max_step_rows.min(self.model.max_rows())
+    }
+
+    /// Refuses requests that name adapters which are not loaded.
+    fn check_adapters(&self, requests: &[Request]) -> Result<(), EngineError> {
         for request in requests {
-            if !ids.insert(request.id.as_str()) {
-                return Err(EngineError::DuplicateRequest(request.id.clone()));
-            }
             if let Some(adapter) = &request.adapter
                 && self.registry.registration(adapter).is_none()
             {
@@ -327,15 +399,35 @@ impl Engine {
                 });
             }
         }
-        let patches = requests
-            .iter()
-            .map(|request| self.patches_of(request))
-            .collect::<Result<Vec<_>, _>>()?;
+        Ok(())
+    }
 
+    /// Plans and runs the steps of requests whose patches are ready and checked.
+    fn encode_patches(
+        &mut self,
+        requests: &[Request],
+        patches: &[Patches],
+        with_tower: bool,
+    ) -> Result<Vec<Encoded>, EngineError> {
+        if let Some(reason) = &self.lost {
+            return Err(EngineError::DeviceLost(reason.clone()));
+        }
+        let step_rows = self.step_rows();
+        if let Some((request, patches)) = requests
+            .iter()
+            .zip(patches)
+            .find(|(_, p)| p.rows() > step_rows)
+        {
+            return Err(EngineError::TooLarge {
+                request: request.id.clone(),
+                rows: patches.rows(),
+                limit: step_rows,
+            });
+        }
         let mut tags: Vec<&str> = Vec::new();
         let items: Vec<PlanItem> = requests
             .iter()
-            .zip(&patches)
+            .zip(patches)
             .map(|(request, patches)| PlanItem {
                 adapter: request.adapter.as_deref().map(|name| {
                     tags.iter().position(|&t| t == name).unwrap_or_else(|| {
@@ -346,7 +438,7 @@ impl Engine {
                 rows: patches.rows(),
             })
             .collect();
-        let steps = plan_steps(&items, self.options.max_loras, self.options.max_step_rows);
+        let steps = plan_steps(&items, self.options.max_loras, step_rows);
 
         let progress = if steps.len() > 1 {
             ProgressBar::new(steps.len() as u64)
@@ -358,7 +450,7 @@ impl Engine {
         }
         let mut results: Vec<Option<Encoded>> = vec![None; requests.len()];
         for (step, members) in steps.iter().enumerate() {
-            let outputs = self.run_step(step, members, requests, &patches, with_tower)?;
+            let outputs = self.run_step(step, members, requests, patches, with_tower)?;
             for (&i, output) in members.iter().zip(outputs) {
                 results[i] = Some(output);
             }
@@ -369,49 +461,6 @@ impl Engine {
             .into_iter()
             .map(|r| r.expect("every request is planned in exactly one step"))
             .collect())
-    }
-
-    /// The request's patches, checked against the model.
-    fn patches_of(&self, request: &Request) -> Result<Patches, EngineError> {
-        let image_error = |source| EngineError::Image {
-            request: request.id.clone(),
-            source,
-        };
-        let patches = match &request.image {
-            ImageSource::File(path) => {
-                let image = load_image(path).map_err(image_error)?;
-                preprocess(&image, &self.preprocess).map_err(image_error)?
-            }
-            ImageSource::Decoded(image) => {
-                preprocess(image, &self.preprocess).map_err(image_error)?
-            }
-            ImageSource::Patches(patches) => patches.clone(),
-        };
-        let config = self.model.config();
-        let [t, h, w] = patches.grid_thw;
-        let m = config.spatial_merge_size;
-        let reason = if t == 0 || h == 0 || w == 0 || h % m != 0 || w % m != 0 {
-            Some(format!(
-                "grid {:?} is empty or not a multiple of the merge size {m}",
-                patches.grid_thw
-            ))
-        } else if patches.pixel_values.len() != patches.rows() * config.patch_len() {
-            Some(format!(
-                "{} pixel values do not make {} rows of {}",
-                patches.pixel_values.len(),
-                patches.rows(),
-                config.patch_len()
-            ))
-        } else {
-            None
-        };
-        match reason {
-            Some(reason) => Err(EngineError::Patches {
-                request: request.id.clone(),
-                reason,
-            }),
-            None => Ok(patches),
-        }
     }
 
     /// One scheduler step over `requests[members]`.
@@ -478,25 +527,21 @@ impl Engine {
         )?;
 
         let started = Instant::now();
-        let on = &self.device.device;
         let grids: Vec<[usize; 3]> = members.iter().map(|&i| patches[i].grid_thw).collect();
-        let rows: usize = members.iter().map(|&i| patches[i].rows()).sum();
         let pixels: Vec<f32> = members
             .iter()
             .flat_map(|&i| patches[i].pixel_values.iter().copied())
             .collect();
-        let pixels = Tensor::<2>::from_data(
-            TensorData::new(pixels, [rows, self.model.config().patch_len()]),
-            on,
-        );
-        let output = self.model.forward(
-            pixels,
-            &grids,
-            &LoraBatch::new(tower_meta, on),
-            &LoraBatch::new(connector_meta, on),
-        )?;
-        let embeds = read_back(output.embeds)?;
-        let tower = with_tower.then(|| read_back(output.tower)).transpose()?;
+        let rows = pixels.len() / self.model.config().patch_len();
+        // A fault inside Burn or the driver may surface as a panic: it becomes an error too.
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            self.forward_step(pixels, &grids, tower_meta, connector_meta, with_tower)
+        }))
+        .unwrap_or_else(|panic| Err(EngineError::Execution(panic_message(&panic))));
+        let (embeds, tower) = match outcome {
+            Err(EngineError::Execution(reason)) => return Err(self.device_failure(reason)),
+            other => other?,
+        };
         let step_time = started.elapsed();
         tracing::debug!(
             step,
@@ -527,6 +572,50 @@ impl Engine {
                 }
             })
             .collect())
+    }
+
+    /// Uploads a step's patches, runs tower and connector, and reads the results back.
+    fn forward_step(
+        &self,
+        pixels: Vec<f32>,
+        grids: &[[usize; 3]],
+        tower_meta: KernelMeta,
+        connector_meta: KernelMeta,
+        with_tower: bool,
+    ) -> Result<(HostTensor, Option<HostTensor>), EngineError> {
+        let on = &self.device.device;
+        let rows = pixels.len() / self.model.config().patch_len();
+        let pixels = Tensor::<2>::from_data(
+            TensorData::new(pixels, [rows, self.model.config().patch_len()]),
+            on,
+        );
+        let output = self.model.forward(
+            pixels,
+            grids,
+            &LoraBatch::new(tower_meta, on),
+            &LoraBatch::new(connector_meta, on),
+        )?;
+        let embeds = read_back(output.embeds)?;
+        let tower = with_tower.then(|| read_back(output.tower)).transpose()?;
+        Ok((embeds, tower))
+    }
+
+    /// Classifies a failed step: a lost device fails this and every later call
+    /// ([`EngineError::DeviceLost`]; [`Engine::rebuild`] on a new device); anything else
+    /// fails this call only.
+    fn device_failure(&mut self, reason: String) -> EngineError {
+        if let Some(setup) = &self.device.wgpu {
+            // Lets wgpu run its device-lost callback if the device is gone.
+            let _ = setup.device.poll(wgpu::PollType::wait_indefinitely());
+        }
+        let lost = matches!(self.device.device.sync(), Err(e) if e.is_device_poisoned());
+        tracing::error!(lost, reason, "a step failed on the device");
+        if lost {
+            self.lost = Some(reason.clone());
+            EngineError::DeviceLost(reason)
+        } else {
+            EngineError::Execution(reason)
+        }
     }
 
     /// Makes sure the named adapters' weights are in memory (reading evicted ones again from
@@ -627,14 +716,75 @@ impl HostTensor {
     }
 }
 
+/// Refuses a batch in which two requests share an id.
+fn check_ids(requests: &[Request]) -> Result<(), EngineError> {
+    let mut ids = HashSet::new();
+    match requests.iter().find(|r| !ids.insert(r.id.as_str())) {
+        Some(request) => Err(EngineError::DuplicateRequest(request.id.clone())),
+        None => Ok(()),
+    }
+}
+
+/// The request's patches (decoded and preprocessed, or as given), checked against the model.
+fn request_patches(
+    request: &Request,
+    preprocess_config: &PreprocessConfig,
+    config: &VisionConfig,
+) -> Result<Patches, EngineError> {
+    let image_error = |source| EngineError::Image {
+        request: request.id.clone(),
+        source,
+    };
+    let patches = match &request.image {
+        ImageSource::File(path) => {
+            let image = load_image(path).map_err(image_error)?;
+            preprocess(&image, preprocess_config).map_err(image_error)?
+        }
+        ImageSource::Decoded(image) => preprocess(image, preprocess_config).map_err(image_error)?,
+        ImageSource::Patches(patches) => patches.clone(),
+    };
+    let [t, h, w] = patches.grid_thw;
+    let m = config.spatial_merge_size;
+    let reason = if t == 0 || h == 0 || w == 0 || h % m != 0 || w % m != 0 {
+        Some(format!(
+            "grid {:?} is empty or not a multiple of the merge size {m}",
+            patches.grid_thw
+        ))
+    } else if patches.pixel_values.len() != patches.rows() * config.patch_len() {
+        Some(format!(
+            "{} pixel values do not make {} rows of {}",
+            patches.pixel_values.len(),
+            patches.rows(),
+            config.patch_len()
+        ))
+    } else {
+        None
+    };
+    match reason {
+        Some(reason) => Err(EngineError::Patches {
+            request: request.id.clone(),
+            reason,
+        }),
+        None => Ok(patches),
+    }
+}
+
 /// Reads a device tensor into host memory (waits for the device).
 fn read_back(tensor: Tensor<2>) -> Result<HostTensor, EngineError> {
     let shape = tensor.dims();
     let values = tensor
-        .into_data()
-        .try_to_vec::<f32>()
-        .map_err(|e| EngineError::Readback(format!("{e:?}")))?;
+        .try_into_vec_as::<f32>()
+        .map_err(|e| EngineError::Execution(e.to_string()))?;
     Ok(HostTensor { shape, values })
+}
+
+/// The message a panic carried.
+fn panic_message(panic: &(dyn Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
 /// Whether the image processor cuts patches the way the model reads them.

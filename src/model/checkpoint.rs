@@ -47,7 +47,17 @@ pub enum CheckpointError {
         /// The folder.
         dir: PathBuf,
     },
-    /// A tensor has the wrong shape or an unsupported dtype.
+    /// A tensor holds values the model cannot use.
+    #[error("tensor `{key}` in {path}: {reason}")]
+    Values {
+        /// The key.
+        key: String,
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// A tensor has the wrong shape or dtype.
     #[error("tensor `{key}` in {path} is {found}, expected {expected}")]
     Mismatch {
         /// The key.
@@ -185,7 +195,14 @@ impl Checkpoint {
         {
             return Err(mismatch(format!("{:?} {:?}", view.dtype(), view.shape())));
         }
-        let values = float_values(&view).map_err(mismatch)?;
+        if !matches!(view.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+            return Err(mismatch(format!("{:?} {:?}", view.dtype(), view.shape())));
+        }
+        let values = float_values(&view).map_err(|reason| CheckpointError::Values {
+            key: key.to_owned(),
+            path: path.clone(),
+            reason,
+        })?;
         self.progress.inc(1);
         if self.progress.position() == self.progress.length().unwrap_or(0) {
             self.progress.finish_and_clear();

@@ -9,7 +9,7 @@ mod jpeg;
 
 use std::path::{Path, PathBuf};
 
-use image::{ImageFormat, ImageReader, Limits, RgbImage};
+use image::{DynamicImage, ImageDecoder, ImageFormat, ImageReader, Limits, RgbImage};
 use serde::Deserialize;
 
 /// The processor's settings, as in a model folder's `preprocessor_config.json`.
@@ -214,16 +214,27 @@ pub fn load_image(path: &Path) -> Result<RgbImage, PreprocessError> {
                 source,
             })
     };
-    // The header first: refuse huge images before allocating for them.
-    let (width, height) = reader()?.into_dimensions().map_err(decode)?;
+    // The header first: refuse huge images and sample formats the reference would alter before
+    // allocating for them.
+    let mut decoder = reader()?.into_decoder().map_err(decode)?;
+    let (width, height) = decoder.dimensions();
     if u64::from(width) * u64::from(height) > MAX_DECODED_PIXELS {
         return Err(too_large(width as usize, height as usize));
     }
-    let mut reader = reader()?;
+    let color = decoder.color_type();
+    if color.bytes_per_pixel() / color.channel_count() != 1 {
+        return Err(PreprocessError::Decode {
+            path: path.to_owned(),
+            reason: format!(
+                "{color:?} samples are not supported (8-bit only: Pillow would truncate them); \
+                 convert the image to 8 bits per channel"
+            ),
+        });
+    }
     let mut limits = Limits::default();
     limits.max_alloc = Some(MAX_DECODED_PIXELS * 16);
-    reader.limits(limits);
-    let decoded = reader.decode().map_err(decode)?;
+    decoder.set_limits(limits).map_err(decode)?;
+    let decoded = DynamicImage::from_decoder(decoder).map_err(decode)?;
     Ok(if decoded.color().has_alpha() {
         composite_on_white(&decoded.to_rgba8())
     } else {

@@ -89,3 +89,113 @@ pub fn errors<A: Copy + Into<f64>>(actual: &[A], expected: &[f32]) -> (f64, f64)
     }
     ((diff / norm).sqrt(), worst)
 }
+
+/// A small seeded generator for tests that need the same random inputs every run.
+pub struct SplitMix(pub u64);
+
+impl SplitMix {
+    /// The next 64 random bits.
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// Copies the files (not the subfolders) of `from` into `to`.
+pub fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+}
+
+/// A tensor to write: name, dtype, shape, little-endian bytes.
+pub type RawTensor = (String, Dtype, Vec<usize>, Vec<u8>);
+
+/// Rewrites the safetensors file at `path` through `edit(name, dtype, shape, bytes)`, which
+/// returns the tensors to write instead (none to drop one).
+pub fn rewrite_safetensors(
+    path: &std::path::Path,
+    edit: impl Fn(&str, Dtype, &[usize], &[u8]) -> Vec<RawTensor>,
+) {
+    struct Owned(Dtype, Vec<usize>, Vec<u8>);
+    impl safetensors::View for &Owned {
+        fn dtype(&self) -> Dtype {
+            self.0
+        }
+        fn shape(&self) -> &[usize] {
+            &self.1
+        }
+        fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+            (&self.2[..]).into()
+        }
+        fn data_len(&self) -> usize {
+            self.2.len()
+        }
+    }
+    let bytes = std::fs::read(path).unwrap();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors = Vec::new();
+    for (name, view) in file.tensors() {
+        for (n, d, s, b) in edit(&name, view.dtype(), view.shape(), view.data()) {
+            tensors.push((n, Owned(d, s, b)));
+        }
+    }
+    let refs: Vec<(String, &Owned)> = tensors.iter().map(|(n, o)| (n.clone(), o)).collect();
+    std::fs::write(path, safetensors::serialize(refs, None).unwrap()).unwrap();
+}
+
+/// The tensor unchanged, for [`rewrite_safetensors`].
+pub fn keep(name: &str, d: Dtype, s: &[usize], b: &[u8]) -> Vec<RawTensor> {
+    vec![(name.to_owned(), d, s.to_vec(), b.to_vec())]
+}
+
+/// Rewrites the JSON file at `path` through `edit`.
+pub fn edit_json(path: &std::path::Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let mut value: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    edit(&mut value);
+    std::fs::write(path, value.to_string()).unwrap();
+}
+
+/// A PNG whose header declares `width × height`, with one empty data chunk: enough for a
+/// decoder to read the size, far too little to decode.
+pub fn png_header(width: u32, height: u32) -> Vec<u8> {
+    fn crc32(bytes: &[u8]) -> u32 {
+        let mut crc = !0u32;
+        for &byte in bytes {
+            crc ^= u32::from(byte);
+            for _ in 0..8 {
+                crc = if crc & 1 == 1 {
+                    (crc >> 1) ^ 0xEDB8_8320
+                } else {
+                    crc >> 1
+                };
+            }
+        }
+        !crc
+    }
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    let mut header = width.to_be_bytes().to_vec();
+    header.extend(height.to_be_bytes());
+    header.extend([8, 2, 0, 0, 0]); // 8-bit RGB
+    for (kind, data) in [(b"IHDR", header), (b"IDAT", Vec::new())] {
+        let mut chunk = kind.to_vec();
+        chunk.extend(&data);
+        png.extend((data.len() as u32).to_be_bytes());
+        png.extend(&chunk);
+        png.extend(crc32(&chunk).to_be_bytes());
+    }
+    png
+}

@@ -131,7 +131,8 @@ impl VisionConfig {
             Some("qwen2_vl") => {}
             other => {
                 return Err(invalid(format!(
-                    "model_type is {other:?}; mmlora runs qwen2_vl"
+                    "model_type is {}; mmlora runs qwen2_vl",
+                    other.unwrap_or("missing")
                 )));
             }
         }
@@ -139,8 +140,12 @@ impl VisionConfig {
             .vision_config
             .ok_or_else(|| invalid("no vision_config".to_owned()))?
             .into();
-        if config.num_heads == 0
-            || !config.embed_dim.is_multiple_of(config.num_heads)
+        if let Some((field, value, max)) = config.out_of_range() {
+            return Err(invalid(format!(
+                "vision_config.{field} is {value}, outside 1..={max}"
+            )));
+        }
+        if !config.embed_dim.is_multiple_of(config.num_heads)
             || !(config.embed_dim / config.num_heads).is_multiple_of(4)
         {
             return Err(invalid(format!(
@@ -155,6 +160,24 @@ impl VisionConfig {
             )));
         }
         Ok(config)
+    }
+
+    /// The first size that is zero or beyond what any real tower uses (and what sizes computed
+    /// from it could hold), with its bound.
+    fn out_of_range(&self) -> Option<(&'static str, usize, usize)> {
+        [
+            ("depth", self.depth, 1024),
+            ("embed_dim", self.embed_dim, 1 << 16),
+            ("hidden_size", self.hidden_size, 1 << 17),
+            ("mlp_ratio", self.mlp_ratio, 64),
+            ("num_heads", self.num_heads, 1024),
+            ("in_channels", self.in_channels, 16),
+            ("patch_size", self.patch_size, 256),
+            ("spatial_merge_size", self.spatial_merge_size, 16),
+            ("temporal_patch_size", self.temporal_patch_size, 16),
+        ]
+        .into_iter()
+        .find(|&(_, value, max)| value == 0 || value > max)
     }
 
     /// Width of one attention head.

@@ -18,6 +18,10 @@ pub use config::{ConfigError, LoraTarget, VisionConfig};
 /// LayerNorm epsilon of every norm in the tower and merger.
 const LAYER_NORM_EPS: f64 = 1e-6;
 
+/// The largest buffer (in bytes) one operation makes unless told otherwise: it bounds the
+/// attention scores of large images, on the CPU backend too.
+pub const DEFAULT_BUFFER_LIMIT: u64 = 256 << 20;
+
 /// Errors loading or running the model.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -89,6 +93,8 @@ pub struct Qwen2VlVision {
     blocks: Vec<Block>,
     merger: Merger,
     device: Device,
+    /// The largest buffer one operation may make, in bytes.
+    buffer_limit: u64,
 }
 
 impl Qwen2VlVision {
@@ -180,6 +186,7 @@ impl Qwen2VlVision {
             blocks,
             merger,
             device: device.clone(),
+            buffer_limit: DEFAULT_BUFFER_LIMIT,
         })
     }
 
@@ -191,6 +198,36 @@ impl Qwen2VlVision {
     /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The largest buffer one operation may make, in bytes.
+    pub fn buffer_limit(&self) -> u64 {
+        self.buffer_limit
+    }
+
+    /// Sets the largest buffer one operation may make (a device's binding limit): attention
+    /// runs in blocks of queries that fit, and [`Self::max_rows`] follows.
+    pub fn set_buffer_limit(&mut self, bytes: u64) {
+        self.buffer_limit = bytes.max(1);
+    }
+
+    /// The most tower rows one [`Self::forward`] can take with every row-wise buffer (patches,
+    /// qkv, MLP, merger) within the buffer limit.
+    pub fn max_rows(&self) -> usize {
+        let c = &self.config;
+        let m2 = c.spatial_merge_size * c.spatial_merge_size;
+        let widest = [
+            c.patch_len(),
+            3 * c.embed_dim,
+            c.embed_dim * c.mlp_ratio,
+            c.hidden_size.div_ceil(m2),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(1);
+        let rows = self.buffer_limit / (4 * widest as u64);
+        // Whole merge blocks only.
+        usize::try_from(rows).unwrap_or(usize::MAX) / m2 * m2
     }
 
     /// Every LoRA target linear, in a fixed order.
@@ -301,12 +338,32 @@ impl Qwen2VlVision {
         let mut outputs = Vec::with_capacity(segments.len());
         let mut start = 0;
         for &len in segments {
-            let span = start..start + len;
-            let q_s = q.clone().slice(span.clone()).swap_dims(0, 1); // [heads, len, hd]
-            let k_s = k.clone().slice(span.clone()).swap_dims(0, 1);
-            let v_s = v.clone().slice(span).swap_dims(0, 1);
-            let weights = softmax(q_s.matmul(k_s.swap_dims(1, 2)) * scale, 2);
-            outputs.push(weights.matmul(v_s).swap_dims(0, 1).reshape([len, d]));
+            // Scores are [heads, queries, len]: take as many queries at a time as fit the limit.
+            // Each query's softmax is over its own row, so the blocks are exact.
+            let per_query = (4 * heads * len) as u64;
+            let block = usize::try_from(self.buffer_limit / per_query)
+                .unwrap_or(usize::MAX)
+                .clamp(1, len);
+            let k_t = k
+                .clone()
+                .slice(start..start + len)
+                .swap_dims(0, 1)
+                .swap_dims(1, 2); // [heads, hd, len]
+            let v_s = v.clone().slice(start..start + len).swap_dims(0, 1); // [heads, len, hd]
+            for first in (0..len).step_by(block) {
+                let queries = block.min(len - first);
+                let q_s = q
+                    .clone()
+                    .slice(start + first..start + first + queries)
+                    .swap_dims(0, 1); // [heads, queries, hd]
+                let weights = softmax(q_s.matmul(k_t.clone()) * scale, 2);
+                outputs.push(
+                    weights
+                        .matmul(v_s.clone())
+                        .swap_dims(0, 1)
+                        .reshape([queries, d]),
+                );
+            }
             start += len;
         }
         Ok(block.proj.forward(Tensor::cat(outputs, 0), tower)?)

@@ -1,0 +1,98 @@
+//! One engine for many threads: a cloneable handle that is `Send + Sync`.
+//!
+//! Image files are decoded and adapter folders read and validated on the calling thread,
+//! outside the lock, so threads overlap their file work. The device work of an `encode` call
+//! and every change to the set of adapters take one lock, so a call runs entirely with the
+//! adapters as they were when its device work began: never with a half-loaded adapter, and a
+//! name loaded again with new content serves that content from the next call on.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::{Encoded, Engine, EngineError, Request, check_ids, request_patches};
+use crate::adapters::PeftAdapter;
+use crate::model::qwen2_vl::{LoraTarget, VisionConfig};
+use crate::preprocess::PreprocessConfig;
+
+/// A cloneable handle on one [`Engine`], usable from any thread.
+#[derive(Debug, Clone)]
+pub struct SharedEngine {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    engine: Mutex<Engine>,
+    /// What file work needs, copied out so it runs without the lock.
+    preprocess: PreprocessConfig,
+    vision: VisionConfig,
+    targets: Vec<LoraTarget>,
+    max_rank: usize,
+}
+
+impl SharedEngine {
+    /// Shares `engine`.
+    pub fn new(engine: Engine) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                preprocess: engine.preprocess_config().clone(),
+                vision: engine.model().config().clone(),
+                targets: engine.model().lora_targets(),
+                max_rank: engine.options().max_rank,
+                engine: Mutex::new(engine),
+            }),
+        }
+    }
+
+    /// [`Engine::load_adapter`]: the folder is read and validated before the lock is taken.
+    pub fn load_adapter(&self, name: &str, dir: &Path) -> Result<Arc<PeftAdapter>, EngineError> {
+        let adapter = PeftAdapter::load(name, dir, &self.inner.targets, self.inner.max_rank)?;
+        self.lock()?.insert_adapter(adapter)
+    }
+
+    /// [`Engine::insert_adapter`].
+    pub fn insert_adapter(&self, adapter: PeftAdapter) -> Result<Arc<PeftAdapter>, EngineError> {
+        self.lock()?.insert_adapter(adapter)
+    }
+
+    /// [`Engine::unload_adapter`]: calls already running finish with the adapter.
+    pub fn unload_adapter(&self, name: &str) -> Result<(), EngineError> {
+        self.lock()?.unload_adapter(name)
+    }
+
+    /// [`Engine::adapter_names`].
+    pub fn adapter_names(&self) -> Result<Vec<String>, EngineError> {
+        Ok(self.lock()?.adapter_names())
+    }
+
+    /// [`Engine::encode`]: images are decoded before the lock is taken.
+    pub fn encode(
+        &self,
+        requests: &[Request],
+        with_tower: bool,
+    ) -> Result<Vec<Encoded>, EngineError> {
+        check_ids(requests)?;
+        let patches = requests
+            .iter()
+            .map(|request| request_patches(request, &self.inner.preprocess, &self.inner.vision))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut engine = self.lock()?;
+        engine.check_adapters(requests)?;
+        engine.encode_patches(requests, &patches, with_tower)
+    }
+
+    /// Runs `f` on the engine, holding the lock.
+    pub fn with_engine<R>(&self, f: impl FnOnce(&mut Engine) -> R) -> Result<R, EngineError> {
+        Ok(f(&mut *self.lock()?))
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, Engine>, EngineError> {
+        self.inner.engine.lock().map_err(|_| EngineError::Poisoned)
+    }
+}
+
+/// The handle crosses threads.
+const _: fn() = || {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<SharedEngine>();
+};

@@ -1,0 +1,177 @@
+//! Isolation soak: random batches (random images, random adapters or none, random slot counts
+//! and step sizes that force multi-step splits) where every request's output must equal the
+//! same request run alone. Bounded here; `MMLORA_SOAK_BATCHES=N` runs N batches per device
+//! (the long run), and the peak RSS is reported.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{SplitMix, errors, fixture_dir};
+use image::RgbImage;
+use mmlora::bench::random_adapter;
+use mmlora::device::{self, RuntimeDevice};
+use mmlora::engine::{Engine, EngineOptions, HostTensor, ImageSource, Request};
+
+const FIXTURE_ADAPTERS: [&str; 4] = ["all-r4", "patterns", "rslora-r8", "tower-r2"];
+const RANDOM_ADAPTERS: usize = 4;
+const IMAGES: usize = 12;
+
+/// The engines a batch may go to: few slots, small steps, or the defaults.
+const ENGINE_SHAPES: [(usize, usize); 4] = [(1, 4096), (2, 64), (3, 160), (8, 16_384)];
+
+fn adapter_names() -> Vec<String> {
+    FIXTURE_ADAPTERS
+        .iter()
+        .map(|n| n.to_string())
+        .chain((0..RANDOM_ADAPTERS).map(|i| format!("random{i}")))
+        .collect()
+}
+
+fn engine(on: &RuntimeDevice, max_loras: usize, max_step_rows: usize) -> Engine {
+    let options = EngineOptions {
+        max_loras,
+        max_step_rows,
+        ..EngineOptions::default()
+    };
+    let mut engine = Engine::open(&fixture_dir(), on.clone(), options).unwrap();
+    for name in FIXTURE_ADAPTERS {
+        engine
+            .load_adapter(name, &fixture_dir().join("adapters").join(name))
+            .unwrap();
+    }
+    let targets = engine.model().lora_targets();
+    for i in 0..RANDOM_ADAPTERS {
+        let rank = [1, 3, 8, 16][i];
+        engine
+            .insert_adapter(random_adapter(&format!("random{i}"), &targets, rank, i))
+            .unwrap();
+    }
+    engine
+}
+
+/// Random RGB images of random sizes (the tiny model's processor makes 16–36 patches of each).
+fn images(random: &mut SplitMix) -> Vec<RgbImage> {
+    (0..IMAGES)
+        .map(|_| {
+            let (w, h) = (random.below(120) + 8, random.below(120) + 8);
+            RgbImage::from_fn(w as u32, h as u32, |_, _| {
+                image::Rgb([
+                    random.below(256) as u8,
+                    random.below(256) as u8,
+                    random.below(256) as u8,
+                ])
+            })
+        })
+        .collect()
+}
+
+/// Peak and current resident memory of this process, in MiB (Linux).
+fn rss_mib() -> Option<(f64, f64)> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| -> Option<f64> {
+        let line = status.lines().find(|l| l.starts_with(name))?;
+        let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib / 1024.0)
+    };
+    Some((field("VmHWM:")?, field("VmRSS:")?))
+}
+
+/// Runs `batches` random batches on `on`; every request within `rel_tol` of itself run alone.
+fn soak(on: &RuntimeDevice, batches: usize, rel_tol: f64, seed: u64) {
+    let mut random = SplitMix(seed);
+    let images = images(&mut random);
+    let names = adapter_names();
+    let mut engines: Vec<Engine> = ENGINE_SHAPES
+        .iter()
+        .map(|&(loras, rows)| engine(on, loras, rows))
+        .collect();
+    let mut alone_engine = engine(on, 1, 16_384);
+    let mut alone: HashMap<(usize, Option<usize>), HostTensor> = HashMap::new();
+    let (mut requests_run, mut multi_step) = (0usize, 0usize);
+    let mut rss_after_warmup = None;
+
+    for batch in 0..batches {
+        let size = 1 + random.below(8);
+        let picks: Vec<(usize, Option<usize>)> = (0..size)
+            .map(|_| {
+                let image = random.below(IMAGES);
+                // One request in four without adapter.
+                let adapter = random.below(names.len() * 4 / 3 + 1);
+                (image, (adapter < names.len()).then_some(adapter))
+            })
+            .collect();
+        let requests: Vec<Request> = picks
+            .iter()
+            .enumerate()
+            .map(|(i, &(image, adapter))| Request {
+                id: format!("b{batch}r{i}"),
+                image: ImageSource::Decoded(images[image].clone()),
+                adapter: adapter.map(|a| names[a].clone()),
+            })
+            .collect();
+        let which = random.below(engines.len());
+        let engine = &mut engines[which];
+        let results = engine.encode(&requests, false).unwrap();
+        multi_step += usize::from(results.iter().any(|r| r.step > 0));
+        for (result, (request, pick)) in results.iter().zip(requests.iter().zip(&picks)) {
+            let expected = alone.entry(*pick).or_insert_with(|| {
+                let single = Request {
+                    id: "alone".to_owned(),
+                    ..request.clone()
+                };
+                alone_engine
+                    .encode(&[single], false)
+                    .unwrap()
+                    .remove(0)
+                    .embeds
+            });
+            assert_eq!(result.id, request.id);
+            assert_eq!(result.embeds.shape, expected.shape);
+            let (rel, _) = errors(&result.embeds.values, &expected.values);
+            assert!(
+                rel <= rel_tol,
+                "batch {batch} request {} (image {}, adapter {:?}) on {}: rel {rel:e} from running alone",
+                request.id,
+                pick.0,
+                request.adapter,
+                on.description
+            );
+        }
+        requests_run += requests.len();
+        if batch == batches / 10 {
+            rss_after_warmup = rss_mib();
+        }
+    }
+    let rss = rss_mib();
+    println!(
+        "soak on {}: {batches} batches, {requests_run} requests ({multi_step} batches split in several steps), \
+         {} (image, adapter) pairs checked; RSS MiB after 10% {rss_after_warmup:?}, at the end (peak, now) {rss:?}",
+        on.description,
+        alone.len()
+    );
+    assert!(multi_step > 0, "some batches must need several steps");
+}
+
+fn batches(bounded: usize) -> usize {
+    std::env::var("MMLORA_SOAK_BATCHES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(bounded)
+}
+
+#[test]
+fn every_request_in_a_random_batch_equals_itself_alone_on_cpu() {
+    // Tolerance: rel. Frobenius 1e-6 (same kernels, same rows; only what other rows share a
+    // step with changes).
+    soak(&device::cpu(), batches(400), 1e-6, 1);
+}
+
+#[test]
+fn every_request_in_a_random_batch_equals_itself_alone_on_wgpu() {
+    let Some(gpu) = device::gpu_for_tests() else {
+        return;
+    };
+    // Tolerance: rel. Frobenius 1e-4 (GPU kernels may sum in another order for other shapes).
+    soak(&gpu, batches(60), 1e-4, 2);
+}
