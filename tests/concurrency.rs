@@ -1,0 +1,164 @@
+//! One engine, many threads: encoding while adapters are loaded, replaced and unloaded never
+//! gives a result computed with a half-written or wrong adapter, and a name loaded again with
+//! new content serves that content from the next call on.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use common::{errors, fixture_dir};
+use mmlora::device::{self, RuntimeDevice};
+use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request, SharedEngine};
+
+fn adapter_dir(name: &str) -> PathBuf {
+    fixture_dir().join("adapters").join(name)
+}
+
+fn request(id: &str, image: &str, adapter: Option<&str>) -> Request {
+    Request {
+        id: id.to_owned(),
+        image: ImageSource::File(fixture_dir().join("images").join(image)),
+        adapter: adapter.map(str::to_owned),
+    }
+}
+
+/// What one request gives when run alone with the adapter folder `content` (or none).
+fn alone(on: &RuntimeDevice, image: &str, content: Option<&str>) -> Vec<f32> {
+    let mut engine = Engine::open(&fixture_dir(), on.clone(), EngineOptions::default()).unwrap();
+    if let Some(content) = content {
+        engine.load_adapter("x", &adapter_dir(content)).unwrap();
+    }
+    let request = request("alone", image, content.map(|_| "x"));
+    engine
+        .encode(&[request], false)
+        .unwrap()
+        .remove(0)
+        .embeds
+        .values
+}
+
+/// Four threads encode a mixed batch in a loop while a fifth swaps the content of adapter
+/// `swap` between two folders and sometimes unloads it.
+fn encode_while_swapping(on: &RuntimeDevice, rounds: usize, rel_tol: f64) {
+    const CONTENTS: [&str; 2] = ["all-r4", "rslora-r8"];
+    let images = ["square.png", "wide.jpg"];
+    let mut expected: HashMap<(&str, Option<&str>), Vec<f32>> = HashMap::new();
+    for image in images {
+        for content in [None, Some("all-r4"), Some("rslora-r8"), Some("tower-r2")] {
+            expected.insert((image, content), alone(on, image, content));
+        }
+    }
+    let engine = Engine::open(&fixture_dir(), on.clone(), EngineOptions::default()).unwrap();
+    let shared = SharedEngine::new(engine);
+    shared
+        .load_adapter("steady", &adapter_dir("tower-r2"))
+        .unwrap();
+    shared
+        .load_adapter("swap", &adapter_dir(CONTENTS[0]))
+        .unwrap();
+
+    let done = Arc::new(AtomicBool::new(false));
+    let (served, unknown) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    std::thread::scope(|scope| {
+        let swapper = {
+            let (shared, done) = (shared.clone(), done.clone());
+            scope.spawn(move || {
+                let mut swaps = 0;
+                while !done.load(Ordering::Relaxed) {
+                    swaps += 1;
+                    if swaps % 5 == 0 {
+                        shared.unload_adapter("swap").unwrap();
+                    } else {
+                        shared
+                            .load_adapter("swap", &adapter_dir(CONTENTS[swaps % 2]))
+                            .unwrap();
+                    }
+                }
+                swaps
+            })
+        };
+        let workers: Vec<_> = (0..4)
+            .map(|t| {
+                let (shared, expected) = (shared.clone(), &expected);
+                let (served, unknown) = (served.clone(), unknown.clone());
+                scope.spawn(move || {
+                    for round in 0..rounds {
+                        let image = images[(t + round) % 2];
+                        let batch = [
+                            request("swap", image, Some("swap")),
+                            request("steady", image, Some("steady")),
+                            request("base", image, None),
+                        ];
+                        let results = match shared.encode(&batch, false) {
+                            Ok(results) => results,
+                            Err(EngineError::UnknownAdapter { adapter, .. })
+                                if adapter == "swap" =>
+                            {
+                                unknown.fetch_add(1, Ordering::Relaxed);
+                                continue;
+                            }
+                            Err(other) => panic!("thread {t} round {round}: {other}"),
+                        };
+                        let close = |values: &[f32], content| {
+                            errors(values, &expected[&(image, content)]).0 <= rel_tol
+                        };
+                        let swapped = &results[0].embeds.values;
+                        assert!(
+                            CONTENTS.iter().any(|&c| close(swapped, Some(c))),
+                            "thread {t} round {round}: `swap` matches neither of its contents"
+                        );
+                        assert!(close(&results[1].embeds.values, Some("tower-r2")));
+                        assert!(close(&results[2].embeds.values, None));
+                        served.fetch_add(1, Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        for worker in workers {
+            worker.join().unwrap();
+        }
+        done.store(true, Ordering::Relaxed);
+        let swaps = swapper.join().unwrap();
+        println!(
+            "on {}: {} batches served, {} refused while `swap` was unloaded, {swaps} swaps",
+            on.description,
+            served.load(Ordering::Relaxed),
+            unknown.load(Ordering::Relaxed)
+        );
+    });
+    assert!(served.load(Ordering::Relaxed) > 0);
+
+    // From the call after a load on, the new content is served — whichever thread calls.
+    for content in [CONTENTS[1], CONTENTS[0], CONTENTS[1]] {
+        let loader = shared.clone();
+        std::thread::spawn(move || loader.load_adapter("swap", &adapter_dir(content)).unwrap())
+            .join()
+            .unwrap();
+        let results = shared
+            .encode(&[request("r", "wide.jpg", Some("swap"))], false)
+            .unwrap();
+        let (rel, _) = errors(
+            &results[0].embeds.values,
+            &expected[&("wide.jpg", Some(content))],
+        );
+        assert!(rel <= rel_tol, "after loading {content}: rel {rel:e}");
+    }
+}
+
+#[test]
+fn encoding_while_adapters_are_swapped_on_cpu() {
+    // Tolerance: rel. Frobenius 1e-6 (the same request, only its batch-mates differ).
+    encode_while_swapping(&device::cpu(), 40, 1e-6);
+}
+
+#[test]
+fn encoding_while_adapters_are_swapped_on_wgpu() {
+    let Some(gpu) = device::gpu_for_tests() else {
+        return;
+    };
+    // Tolerance: rel. Frobenius 1e-4 (GPU kernels on other batch shapes).
+    encode_while_swapping(&gpu, 8, 1e-4);
+}

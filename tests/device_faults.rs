@@ -1,0 +1,117 @@
+//! Device faults: a step the device cannot run and a lost device are typed errors; the first
+//! leaves the engine working, the second is rebuilt on a new device in the same process. Each
+//! test opens a device of its own, so breaking it touches nothing else.
+
+mod common;
+
+use common::{errors, fixture_dir};
+use mmlora::device::{self, RuntimeDevice};
+use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request};
+use mmlora::preprocess::Patches;
+
+fn probe() -> Vec<Request> {
+    ["square.png", "wide.jpg"]
+        .iter()
+        .enumerate()
+        .map(|(i, image)| Request {
+            id: format!("probe{i}"),
+            image: ImageSource::File(fixture_dir().join("images").join(image)),
+            adapter: Some("all-r4".to_owned()),
+        })
+        .collect()
+}
+
+fn engine(on: RuntimeDevice, options: EngineOptions) -> Engine {
+    let mut engine = Engine::open(&fixture_dir(), on, options).unwrap();
+    engine
+        .load_adapter("all-r4", &fixture_dir().join("adapters/all-r4"))
+        .unwrap();
+    engine
+}
+
+fn embeds(engine: &mut Engine) -> Vec<Vec<f32>> {
+    engine
+        .encode(&probe(), false)
+        .unwrap()
+        .into_iter()
+        .map(|r| r.embeds.values)
+        .collect()
+}
+
+fn new_gpu() -> Option<RuntimeDevice> {
+    device::gpu_for_tests()?;
+    Some(device::gpu_new().expect("a second device on the same adapter"))
+}
+
+#[test]
+fn a_lost_device_is_a_typed_error_and_the_engine_is_rebuilt_on_a_new_one() {
+    let Some(gpu) = new_gpu() else {
+        return;
+    };
+    let mut engine = engine(gpu.clone(), EngineOptions::default());
+    let before = embeds(&mut engine);
+
+    gpu.wgpu.as_ref().unwrap().device.destroy();
+    let first = engine.encode(&probe(), false).unwrap_err();
+    assert!(
+        matches!(
+            first,
+            EngineError::DeviceLost(_) | EngineError::Execution(_)
+        ),
+        "{first}"
+    );
+    // Once wgpu has reported the loss, every call says so without touching the device.
+    let mut later = engine.encode(&probe(), false).unwrap_err();
+    for _ in 0..20 {
+        if matches!(later, EngineError::DeviceLost(_)) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        later = engine.encode(&probe(), false).unwrap_err();
+    }
+    assert!(matches!(later, EngineError::DeviceLost(_)), "{later}");
+    assert!(later.to_string().contains("rebuild"), "{later}");
+
+    let mut rebuilt = engine.rebuild(device::gpu_new().unwrap()).unwrap();
+    assert_eq!(rebuilt.adapter_names(), ["all-r4"]);
+    for (after, before) in embeds(&mut rebuilt).iter().zip(&before) {
+        // Tolerance: rel. Frobenius 1e-6 (the same kernels on the same kind of device).
+        let (rel, _) = errors(after, before);
+        assert!(rel <= 1e-6, "rel {rel:e}");
+    }
+}
+
+#[test]
+fn a_step_over_the_device_buffer_limit_fails_alone() {
+    let Some(gpu) = new_gpu() else {
+        return;
+    };
+    let limit = gpu.buffer_limit.unwrap();
+    // Hide the device's limit from the engine, so it plans a step the device cannot hold.
+    let blind = RuntimeDevice {
+        buffer_limit: None,
+        ..gpu
+    };
+    let options = EngineOptions {
+        max_step_rows: usize::MAX,
+        ..EngineOptions::default()
+    };
+    let mut engine = engine(blind, options);
+    let before = embeds(&mut engine);
+    // Images of 2×128 patches, enough of them that the step's patches alone exceed the limit.
+    let (rows, patch_len) = (256, 1176);
+    let images = (limit / (4 * (rows * patch_len) as u64)) as usize + 1;
+    let requests: Vec<Request> = (0..images)
+        .map(|i| Request {
+            id: format!("strip{i}"),
+            image: ImageSource::Patches(Patches {
+                pixel_values: vec![0.5; rows * patch_len],
+                grid_thw: [1, 2, 128],
+            }),
+            adapter: None,
+        })
+        .collect();
+    let error = engine.encode(&requests, false).unwrap_err();
+    assert!(matches!(error, EngineError::Execution(_)), "{error}");
+    assert_eq!(embeds(&mut engine), before);
+}

@@ -1,0 +1,167 @@
+//! Limits: attention in query blocks equals attention whole, steps capped by the device's
+//! buffer limit split a batch without changing any result, and an image too large for one step
+//! is refused by name.
+
+mod common;
+
+use burn::tensor::{Distribution, Tensor};
+use common::{errors, fixture_dir, requests};
+use mmlora::bench::Preset;
+use mmlora::device::{self, RuntimeDevice};
+use mmlora::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
+use mmlora::lora::meta::{KernelMeta, NO_SLOT};
+use mmlora::lora::ops::LoraBatch;
+use mmlora::model::qwen2_vl::Qwen2VlVision;
+
+/// The tiny model's widest row: one patch of 3 × 2 × 14 × 14 values, 4 bytes each.
+const TINY_ROW_BYTES: u64 = 1176 * 4;
+
+fn fixture_requests() -> Vec<Request> {
+    requests()
+        .into_iter()
+        .map(|r| Request {
+            image: ImageSource::File(fixture_dir().join(&r.image)),
+            id: r.id,
+            adapter: r.adapter,
+        })
+        .collect()
+}
+
+fn encode(on: &RuntimeDevice) -> (Engine, Vec<Encoded>) {
+    let mut engine = Engine::open(&fixture_dir(), on.clone(), EngineOptions::default()).unwrap();
+    for name in ["all-r4", "patterns", "rslora-r8", "tower-r2"] {
+        engine
+            .load_adapter(name, &fixture_dir().join("adapters").join(name))
+            .unwrap();
+    }
+    let results = engine.encode(&fixture_requests(), true).unwrap();
+    (engine, results)
+}
+
+/// One image of `side²` patches through a random tiny model, with attention taken whole and in
+/// blocks of 5 queries.
+fn attention_in_blocks(on: &RuntimeDevice, rel_tol: f64) {
+    let mut model = Qwen2VlVision::random(Preset::Tiny.config(), &on.device);
+    let (side, heads) = (8, 2);
+    let rows = side * side;
+    let x = Tensor::<2>::random([rows, 1176], Distribution::Default, &on.device);
+    let none = |n| {
+        LoraBatch::new(
+            KernelMeta::from_token_slots(vec![NO_SLOT; n], 1).unwrap(),
+            &on.device,
+        )
+    };
+    let run = |model: &Qwen2VlVision| -> Vec<f32> {
+        model
+            .forward(x.clone(), &[[1, side, side]], &none(rows), &none(rows / 4))
+            .unwrap()
+            .tower
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap()
+    };
+    let whole = run(&model);
+    // Scores of 5 queries over all 64 keys, every head, fit; 6 do not.
+    model.set_buffer_limit((4 * heads * rows * 5) as u64);
+    let blocks = run(&model);
+    let (rel, _) = errors(&blocks, &whole);
+    assert!(rel <= rel_tol, "on {}: rel {rel:e}", on.description);
+}
+
+#[test]
+fn attention_in_query_blocks_equals_attention_whole_on_cpu() {
+    // Tolerance: rel. Frobenius 1e-6 (each query's softmax is its own; only the matmul shapes
+    // differ).
+    attention_in_blocks(&device::cpu(), 1e-6);
+}
+
+#[test]
+fn attention_in_query_blocks_equals_attention_whole_on_wgpu() {
+    let Some(gpu) = device::gpu_for_tests() else {
+        return;
+    };
+    // Tolerance: rel. Frobenius 1e-5 (GPU matmul tiling differs between the shapes).
+    attention_in_blocks(&gpu, 1e-5);
+}
+
+#[test]
+fn a_small_buffer_limit_splits_steps_without_changing_results() {
+    let cpu = device::cpu();
+    let (_, whole) = encode(&cpu);
+    assert!(whole.iter().all(|r| r.step == 0));
+    // 40 rows per step: the fixture batch (7 images of 16–36 patches) needs several.
+    let limited = RuntimeDevice {
+        buffer_limit: Some(40 * TINY_ROW_BYTES),
+        ..cpu
+    };
+    let (engine, split) = encode(&limited);
+    assert_eq!(engine.step_rows(), 40);
+    assert!(split.iter().any(|r| r.step > 1), "expected several steps");
+    for (a, b) in whole.iter().zip(&split) {
+        assert_eq!(a.id, b.id);
+        // Tolerance: rel. Frobenius 1e-6 (the same rows in other steps).
+        let (rel, _) = errors(&b.embeds.values, &a.embeds.values);
+        assert!(rel <= 1e-6, "{}: rel {rel:e}", a.id);
+    }
+}
+
+#[test]
+fn an_image_larger_than_a_step_is_refused_by_name_and_the_engine_keeps_serving() {
+    let limited = RuntimeDevice {
+        buffer_limit: Some(20 * TINY_ROW_BYTES),
+        ..device::cpu()
+    };
+    let mut engine = Engine::open(&fixture_dir(), limited, EngineOptions::default()).unwrap();
+    let large = Request {
+        id: "large".to_owned(),
+        image: ImageSource::File(fixture_dir().join("images/wide.jpg")),
+        adapter: None,
+    };
+    match engine.encode(&[large], false) {
+        Err(EngineError::TooLarge {
+            request,
+            rows,
+            limit,
+        }) => {
+            assert_eq!(request, "large");
+            assert!(rows > limit && limit == 20, "{rows} rows, limit {limit}");
+        }
+        other => panic!("expected TooLarge, got {other:?}"),
+    }
+    let small = Request {
+        id: "small".to_owned(),
+        image: ImageSource::Decoded(image::RgbImage::new(56, 56)),
+        adapter: None,
+    };
+    assert_eq!(
+        engine.encode(&[small], false).unwrap()[0].embeds.shape[0],
+        4
+    );
+}
+
+#[test]
+fn the_gpu_step_limit_follows_its_binding_limit() {
+    let Some(gpu) = device::gpu_for_tests() else {
+        return;
+    };
+    let limit = gpu.buffer_limit.expect("a GPU reports its binding limit");
+    let engine = Engine::open(&fixture_dir(), gpu.clone(), EngineOptions::default()).unwrap();
+    let model_rows =
+        (limit.min(mmlora::model::qwen2_vl::DEFAULT_BUFFER_LIMIT) / TINY_ROW_BYTES) as usize / 4
+            * 4;
+    assert_eq!(
+        engine.step_rows(),
+        model_rows.min(EngineOptions::default().max_step_rows)
+    );
+    let model = Qwen2VlVision::random(Preset::Qwen2Vl2b.config(), &device::cpu().device);
+    println!(
+        "{}: binding limit {} MiB; the 2B tower there would take {} rows per step",
+        gpu.description,
+        limit >> 20,
+        {
+            let mut model = model;
+            model.set_buffer_limit(limit);
+            model.max_rows()
+        }
+    );
+}
