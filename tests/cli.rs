@@ -326,6 +326,8 @@ fn bad_arguments_fail_with_a_readable_error_and_leave_no_output() {
 
 #[test]
 fn bench_prints_one_json_object_per_configuration() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let plot = dir.path().join("throughput.png");
     let stdout = assert_success(&mmlora(&[
         "bench",
         "--preset",
@@ -342,12 +344,35 @@ fn bench_prints_one_json_object_per_configuration() {
         "4",
         "--repeats",
         "1",
+        "--op-rows",
+        "64",
         "--json",
+        "--plot",
+        plot.to_str().unwrap(),
     ]));
-    let records: Vec<serde_json::Value> = stdout
+    let lines: Vec<serde_json::Value> = stdout
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
         .collect();
+    let (ops, records): (Vec<_>, Vec<_>) = lines.into_iter().partition(|l| l["kind"] == "op");
+    assert_eq!(ops.len(), 1, "{ops:?}");
+    for field in [
+        "rows",
+        "rank",
+        "adapters",
+        "base_ms",
+        "lora_ms",
+        "naive_ms",
+        "lora_overhead",
+    ] {
+        assert!(!ops[0][field].is_null(), "{field} missing in {}", ops[0]);
+    }
+    assert_eq!(
+        (ops[0]["rows"].as_u64(), ops[0]["adapters"].as_u64()),
+        (Some(64), Some(2))
+    );
+    let plot = image::open(&plot).unwrap();
+    assert!(plot.width() >= 800 && plot.height() >= 500);
     let configurations: Vec<(u64, u64)> = records
         .iter()
         .map(|r| (r["adapters"].as_u64().unwrap(), r["rank"].as_u64().unwrap()))

@@ -1,9 +1,13 @@
 //! `mmlora bench`: throughput with K distinct adapters mixed in one batch against the base.
 
+use std::path::PathBuf;
+
+use mmlora::bench::op::OpShape;
 use mmlora::bench::{self, BenchSpec, Preset};
 use mmlora::device::{self, DeviceChoice};
 
 use super::CliError;
+use super::output::check_writable_folder;
 
 /// Arguments of `mmlora bench`.
 #[derive(Debug, clap::Args)]
@@ -32,14 +36,31 @@ pub struct BenchArgs {
     /// One JSON object per configuration instead of a table.
     #[arg(long)]
     json: bool,
+    /// Rows for the LoRA op alone (at the preset's attn.qkv, with the most --adapters mixed),
+    /// against the base linear and a naive gather-and-batched-matmul, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [256, 4096])]
+    op_rows: Vec<usize>,
+    /// Skip the LoRA op comparison.
+    #[arg(long)]
+    no_op: bool,
+    /// Also draw throughput against the number of mixed adapters into this PNG file.
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 /// Runs `mmlora bench`.
 pub fn run(args: BenchArgs) -> Result<(), CliError> {
-    if args.images == 0 || args.adapters.contains(&0) || args.ranks.contains(&0) {
+    if args.images == 0
+        || args.adapters.contains(&0)
+        || args.ranks.contains(&0)
+        || args.op_rows.contains(&0)
+    {
         return Err(CliError::Usage(
-            "--images, --adapters and --ranks must be at least 1".to_owned(),
+            "--images, --adapters, --ranks and --op-rows must be at least 1".to_owned(),
         ));
+    }
+    if let Some(plot) = &args.plot {
+        check_writable_folder(plot)?;
     }
     let spec = BenchSpec {
         preset: args.preset,
@@ -55,12 +76,29 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
     let records = bench::run(&spec, &runtime, kind, |configuration| {
         eprintln!("{configuration}…");
     })?;
+    let mixed = spec.adapters.iter().copied().max().unwrap_or(1);
+    let op_rows = if args.no_op {
+        &[][..]
+    } else {
+        &args.op_rows[..]
+    };
+    let mut ops = Vec::new();
+    for &rank in &spec.ranks {
+        for &rows in op_rows {
+            eprintln!("the LoRA op alone: {rows} rows, rank {rank}, {mixed} adapters…");
+            let shape = OpShape::qkv(&spec.preset.config(), rows, rank, mixed);
+            ops.push(bench::op::run(shape, &runtime, kind, spec.repeats));
+        }
+    }
     if args.json {
         for record in &records {
             println!(
                 "{}",
                 serde_json::to_string(record).expect("records serialise")
             );
+        }
+        for op in &ops {
+            println!("{}", serde_json::to_string(op).expect("records serialise"));
         }
     } else {
         println!(
@@ -73,6 +111,31 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                 r.adapters, r.rank, r.median_ms, r.img_per_s, r.ratio_vs_base
             );
         }
+        if !ops.is_empty() {
+            println!(
+                "\nLoRA op alone at attn.qkv ({mixed} adapters mixed): median ms, and what it adds to the base linear"
+            );
+            println!(
+                "{:>6} {:>5} {:>10} {:>10} {:>10} {:>9} {:>9}",
+                "rows", "rank", "base", "+op", "+naive", "op", "naive"
+            );
+            for op in &ops {
+                println!(
+                    "{:>6} {:>5} {:>10.2} {:>10.2} {:>10.2} {:>+8.1}% {:>+8.1}%",
+                    op.rows,
+                    op.rank,
+                    op.base_ms,
+                    op.lora_ms,
+                    op.naive_ms,
+                    op.lora_overhead * 100.0,
+                    op.naive_overhead * 100.0
+                );
+            }
+        }
+    }
+    if let Some(path) = &args.plot {
+        bench::plot::throughput_png(&records, path)?;
+        eprintln!("plot: {}", path.display());
     }
     Ok(())
 }

@@ -9,7 +9,7 @@ use mmlora::device::{self, DeviceChoice};
 use mmlora::engine::batch::Batch;
 use mmlora::engine::{Encoded, Engine, EngineOptions, ImageSource, Request};
 
-use super::output::{OutputTensor, write_safetensors};
+use super::output::{OutputTensor, check_writable_folder, write_safetensors};
 use super::{CliError, default_model_dir};
 
 /// Arguments of `mmlora encode`.
@@ -150,19 +150,6 @@ fn images_job(images: &[PathBuf], adapter: Option<&Path>) -> Batch {
             .into_iter()
             .collect(),
         requests,
-    }
-}
-
-/// Fails early when the output's folder does not exist.
-fn check_writable_folder(out: &Path) -> Result<(), CliError> {
-    match out.parent() {
-        Some(folder) if !folder.as_os_str().is_empty() && !folder.is_dir() => {
-            Err(CliError::Write {
-                path: out.to_owned(),
-                reason: format!("the folder {} does not exist", folder.display()),
-            })
-        }
-        _ => Ok(()),
     }
 }
 

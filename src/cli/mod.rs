@@ -11,6 +11,7 @@ pub mod preprocess;
 use std::path::PathBuf;
 
 use mmlora::adapters::AdapterError;
+use mmlora::bench::plot::PlotError;
 use mmlora::device::DeviceError;
 use mmlora::engine::EngineError;
 use mmlora::engine::batch::BatchError;
@@ -26,6 +27,9 @@ pub fn default_model_dir() -> PathBuf {
 /// Why a command failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
+    /// The benchmark plot could not be drawn or written.
+    #[error(transparent)]
+    Plot(#[from] PlotError),
     /// The batch file could not be used.
     #[error(transparent)]
     Batch(#[from] BatchError),

@@ -1,4 +1,5 @@
-//! Writing results as safetensors, all or nothing: the file appears only once it is complete.
+//! Writing results as safetensors, all or nothing: the file appears only once it is complete;
+//! and checking an output's folder before the work that fills it.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -72,4 +73,17 @@ pub fn write_safetensors(
     file.persist(path)
         .map_err(|e| failed(e.error.to_string()))?;
     Ok(())
+}
+
+/// Fails early when the output's folder does not exist.
+pub fn check_writable_folder(out: &Path) -> Result<(), CliError> {
+    match out.parent() {
+        Some(folder) if !folder.as_os_str().is_empty() && !folder.is_dir() => {
+            Err(CliError::Write {
+                path: out.to_owned(),
+                reason: format!("the folder {} does not exist", folder.display()),
+            })
+        }
+        _ => Ok(()),
+    }
 }

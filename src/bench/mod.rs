@@ -6,6 +6,9 @@
 //! rounds, so slow drifts of the machine hit them alike. Each call ends by reading the outputs
 //! back, which waits for the device. The median per configuration is reported.
 
+pub mod op;
+pub mod plot;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Instant;

@@ -1,0 +1,220 @@
+//! The LoRA op alone, on one device: the base linear it rides on, the base plus the op, and the
+//! base plus a naive gather-and-batched-matmul (each row's A and B gathered, two batched
+//! matmuls), at a preset's `attn.qkv` shape with the rows cycling through the adapters.
+
+use std::time::{Duration, Instant};
+
+use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use serde::Serialize;
+
+use crate::device::RuntimeDevice;
+use crate::lora::meta::KernelMeta;
+use crate::lora::ops::{LoraBatch, LoraSlice, lora_apply};
+use crate::model::qwen2_vl::{DEFAULT_BUFFER_LIMIT, VisionConfig};
+
+/// One op problem: `rows × in_features → out_features`, `adapters` adapters of `rank`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpShape {
+    /// Rows (tokens).
+    pub rows: usize,
+    /// Input width.
+    pub in_features: usize,
+    /// Output width.
+    pub out_features: usize,
+    /// Adapter rank.
+    pub rank: usize,
+    /// Distinct adapters; row `r` uses adapter `r % adapters`.
+    pub adapters: usize,
+}
+
+impl OpShape {
+    /// The `attn.qkv` linear of a tower of shape `config`.
+    pub fn qkv(config: &VisionConfig, rows: usize, rank: usize, adapters: usize) -> Self {
+        Self {
+            rows,
+            in_features: config.embed_dim,
+            out_features: 3 * config.embed_dim,
+            rank,
+            adapters,
+        }
+    }
+}
+
+/// Random inputs of one shape on one device.
+pub struct OpInputs {
+    shape: OpShape,
+    x: Tensor<2>,
+    weight_t: Tensor<2>,
+    slice: LoraSlice,
+    batch: LoraBatch,
+    slots: Tensor<1, Int>,
+    /// Rows per chunk of the naive path, so its gathered weights fit one buffer.
+    naive_chunk: usize,
+}
+
+impl OpInputs {
+    /// Uniform random inputs of `shape` on `on`.
+    pub fn new(shape: OpShape, on: &RuntimeDevice) -> Self {
+        let d = &on.device;
+        let OpShape {
+            rows,
+            in_features,
+            out_features,
+            rank,
+            adapters,
+        } = shape;
+        let token_slots: Vec<i32> = (0..rows).map(|r| (r % adapters) as i32).collect();
+        let meta = KernelMeta::from_token_slots(token_slots.clone(), adapters)
+            .expect("slots below the adapter count");
+        let limit = on.buffer_limit.unwrap_or(DEFAULT_BUFFER_LIMIT);
+        let gathered_row = (rank * (in_features + out_features) * 4) as u64;
+        Self {
+            shape,
+            x: Tensor::random([rows, in_features], Distribution::Uniform(-1.0, 1.0), d),
+            weight_t: Tensor::random(
+                [in_features, out_features],
+                Distribution::Uniform(-0.03, 0.03),
+                d,
+            ),
+            slice: LoraSlice {
+                a: Tensor::random(
+                    [adapters, rank, in_features],
+                    Distribution::Uniform(-0.03, 0.03),
+                    d,
+                ),
+                b: Tensor::random(
+                    [adapters, out_features, rank],
+                    Distribution::Uniform(-0.1, 0.1),
+                    d,
+                ),
+                offset: 0,
+            },
+            batch: LoraBatch::new(meta, d),
+            slots: Tensor::from_data(TensorData::new(token_slots, [rows]), d),
+            naive_chunk: usize::try_from(limit / gathered_row)
+                .unwrap_or(rows)
+                .clamp(1, rows),
+        }
+    }
+
+    /// The base linear `x · W`.
+    pub fn base(&self) -> Tensor<2> {
+        self.x.clone().matmul(self.weight_t.clone())
+    }
+
+    /// `base` plus each row's LoRA delta through the op.
+    pub fn lora(&self, base: Tensor<2>) -> Tensor<2> {
+        lora_apply(
+            self.x.clone(),
+            base,
+            std::slice::from_ref(&self.slice),
+            &self.batch,
+        )
+        .expect("inputs built for the op")
+    }
+
+    /// `base` plus each row's LoRA delta by gathering its A and B and two batched matmuls.
+    pub fn naive(&self, base: Tensor<2>) -> Tensor<2> {
+        let OpShape {
+            rows,
+            in_features,
+            out_features,
+            ..
+        } = self.shape;
+        let mut out = Vec::new();
+        for start in (0..rows).step_by(self.naive_chunk) {
+            let span = start..(start + self.naive_chunk).min(rows);
+            let n = span.len();
+            let slots = self.slots.clone().slice(span.clone());
+            let a = self.slice.a.clone().select(0, slots.clone()); // [n, rank, in]
+            let b = self.slice.b.clone().select(0, slots); // [n, out, rank]
+            let x = self
+                .x
+                .clone()
+                .slice(span.clone())
+                .reshape([n, 1, in_features]);
+            let shrunk = x.matmul(a.swap_dims(1, 2)); // [n, 1, rank]
+            let delta = shrunk.matmul(b.swap_dims(1, 2)).reshape([n, out_features]);
+            out.push(base.clone().slice(span) + delta);
+        }
+        Tensor::cat(out, 0)
+    }
+}
+
+/// Runs `f` `iters` times, waiting for the device before starting and after each run.
+pub fn timed(on: &RuntimeDevice, iters: u64, mut f: impl FnMut() -> Tensor<2>) -> Duration {
+    on.device.sync().expect("the device runs");
+    let start = Instant::now();
+    for _ in 0..iters {
+        let y = f();
+        on.device.sync().expect("the device runs");
+        drop(y);
+    }
+    start.elapsed()
+}
+
+/// The op's timings at one shape.
+#[derive(Debug, Clone, Serialize)]
+pub struct OpRecord {
+    /// `op`: tells these lines from the throughput lines.
+    pub kind: &'static str,
+    /// `cpu` or `gpu`.
+    pub device: String,
+    /// What runs it.
+    pub adapter_name: String,
+    /// Rows.
+    pub rows: usize,
+    /// Input width.
+    pub in_features: usize,
+    /// Output width.
+    pub out_features: usize,
+    /// Adapter rank.
+    pub rank: usize,
+    /// Distinct adapters mixed.
+    pub adapters: usize,
+    /// The base linear alone, median ms.
+    pub base_ms: f64,
+    /// The base linear plus the op, median ms.
+    pub lora_ms: f64,
+    /// The base linear plus the naive path, median ms.
+    pub naive_ms: f64,
+    /// What the op adds to the base linear (`lora_ms / base_ms − 1`).
+    pub lora_overhead: f64,
+    /// What the naive path adds to the base linear.
+    pub naive_overhead: f64,
+}
+
+/// Times the base linear, base + op and base + naive at `shape`: one warm-up run each, then
+/// `repeats` rounds in turns; medians.
+pub fn run(shape: OpShape, on: &RuntimeDevice, kind: &str, repeats: usize) -> OpRecord {
+    let inputs = OpInputs::new(shape, on);
+    let variants: [&dyn Fn() -> Tensor<2>; 3] =
+        [&|| inputs.base(), &|| inputs.lora(inputs.base()), &|| {
+            inputs.naive(inputs.base())
+        }];
+    let mut times = [const { Vec::new() }; 3];
+    for variant in variants {
+        timed(on, 1, variant);
+    }
+    for _ in 0..repeats.max(1) {
+        for (variant, times) in variants.iter().zip(&mut times) {
+            times.push(timed(on, 1, variant).as_secs_f64() * 1e3);
+        }
+    }
+    let [base_ms, lora_ms, naive_ms] = times.map(|mut t| super::median(&mut t));
+    OpRecord {
+        kind: "op",
+        device: kind.to_owned(),
+        adapter_name: on.description.clone(),
+        rows: shape.rows,
+        in_features: shape.in_features,
+        out_features: shape.out_features,
+        rank: shape.rank,
+        adapters: shape.adapters,
+        base_ms,
+        lora_ms,
+        naive_ms,
+        lora_overhead: lora_ms / base_ms - 1.0,
+        naive_overhead: naive_ms / base_ms - 1.0,
+    }
+}

@@ -1,0 +1,172 @@
+"""The PyTorch + PEFT baseline for `mmlora bench`: the same preset, images, adapters and ranks.
+
+Runs transformers' Qwen2-VL vision tower and merger (random weights, eager PyTorch, SDPA attention) with PEFT
+LoRA adapters on every target linear (attn.qkv, attn.proj, mlp.fc1, mlp.fc2, merger mlp.0 and
+mlp.2), in the configurations `mmlora bench` times: base, then K distinct adapters mixed over
+the images. PEFT has no per-row adapter for a vision tower, so K adapters run as PEFT users must
+run them: one forward per adapter group (`set_adapter`, then that group's images). Warm-up
+first, then the configurations take turns for `--repeats` rounds; the median of each is printed
+as one JSON object per line with the fields `mmlora bench --json` prints.
+
+    python tools/bench_torch.py --preset qwen2-vl-2b --images 8 --side 224 --adapters 1,8 --ranks 16
+
+Pinned environment: tools/requirements.txt.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+PRESETS = {
+    "tiny": dict(depth=2, embed_dim=32, num_heads=2, hidden_size=48),
+    "qwen2-vl-2b": dict(depth=32, embed_dim=1280, num_heads=16, hidden_size=1536),
+}
+TARGETS = ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2", "mlp.0", "mlp.2"]
+PATCH, MERGE, TEMPORAL = 14, 2, 2
+# The bundled processor's pixel bounds (Qwen2-VL's defaults).
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 1280
+
+
+def smart_resize(height, width, factor=PATCH * MERGE):
+    """Qwen2-VL's smart_resize (the same as mmlora's)."""
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > MAX_PIXELS:
+        beta = ((height * width) / MAX_PIXELS) ** 0.5
+        h_bar = max(factor, int(height / beta / factor) * factor)
+        w_bar = max(factor, int(width / beta / factor) * factor)
+    elif h_bar * w_bar < MIN_PIXELS:
+        beta = (MIN_PIXELS / (height * width)) ** 0.5
+        h_bar = -(-int(height * beta) // factor) * factor
+        w_bar = -(-int(width * beta) // factor) * factor
+    return h_bar, w_bar
+
+
+class Holder(torch.nn.Module):
+    """Gives the tower transformers' key layout, `model.visual.*`, as in a VLM checkpoint."""
+
+    def __init__(self, visual):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.visual = visual
+
+
+def build(preset, device, dtype):
+    config = Qwen2VLVisionConfig(
+        **PRESETS[preset],
+        hidden_act="quick_gelu",
+        mlp_ratio=4,
+        in_channels=3,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=TEMPORAL,
+    )
+    config._attn_implementation = "sdpa"
+    visual = Qwen2VisionTransformerPretrainedModel(config).eval()
+    return Holder(visual).to(device=device, dtype=dtype)
+
+
+def add_adapters(holder, count, rank):
+    """`count` distinct random adapters of rank `rank` on every target; returns their names."""
+    names = [f"adapter{i}" for i in range(count)]
+    model = None
+    for name in names:
+        lora = LoraConfig(
+            r=rank,
+            lora_alpha=rank,
+            lora_dropout=0.0,
+            target_modules=TARGETS,
+            init_lora_weights=False,  # random A and B: every adapter changes the output
+        )
+        if model is None:
+            model = get_peft_model(holder, lora, adapter_name=name)
+        else:
+            model.add_adapter(name, lora)
+    return model, names
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=PRESETS, default="qwen2-vl-2b")
+    parser.add_argument("--images", type=int, default=8)
+    parser.add_argument("--side", type=int, default=224)
+    parser.add_argument("--adapters", default="1,8", help="comma-separated adapter counts")
+    parser.add_argument("--ranks", default="16", help="comma-separated ranks")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    height, width = smart_resize(args.side, args.side)
+    grid = [1, height // PATCH, width // PATCH]
+    rows = grid[0] * grid[1] * grid[2]
+    patch_len = 3 * TEMPORAL * PATCH * PATCH
+    pixels = [torch.rand(rows, patch_len, device=device, dtype=dtype) * 2 - 1 for _ in range(args.images)]
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def run(visual, groups):
+        """One forward per (adapter, images) group; `None` runs the base model."""
+        with torch.no_grad():
+            for set_active, images in groups:
+                set_active()
+                x = torch.cat([pixels[i] for i in images])
+                visual(x, grid_thw=torch.tensor([grid] * len(images), device=device))
+        sync()
+
+    configs = []  # (adapters, rank, callable)
+    base = build(args.preset, device, dtype)
+    configs.append((0, 0, lambda: run(base.model.visual, [(lambda: None, range(args.images))])))
+    for rank in [int(r) for r in args.ranks.split(",")]:
+        for count in [int(k) for k in args.adapters.split(",")]:
+            model, names = add_adapters(build(args.preset, device, dtype), count, rank)
+            visual = model.base_model.model.model.visual
+            groups = [
+                (lambda n=name, m=model: m.set_adapter(n), [i for i in range(args.images) if i % count == k])
+                for k, name in enumerate(names)
+            ]
+            groups = [g for g in groups if g[1]]
+            configs.append((count, rank, lambda v=visual, g=groups: run(v, g)))
+
+    for _, _, call in configs:  # warm-up
+        call()
+    times = [[] for _ in configs]
+    for _ in range(args.repeats):
+        for i, (_, _, call) in enumerate(configs):
+            started = time.perf_counter()
+            call()
+            times[i].append(time.perf_counter() - started)
+
+    name = f"torch {torch.__version__} {args.device} {args.dtype} (transformers sdpa + PEFT)"
+    base_ms = statistics.median(times[0]) * 1e3
+    for (count, rank, _), samples in zip(configs, times):
+        median_ms = statistics.median(samples) * 1e3
+        print(json.dumps({
+            "device": args.device,
+            "adapter_name": name,
+            "preset": args.preset,
+            "images": args.images,
+            "side": args.side,
+            "adapters": count,
+            "rank": rank,
+            "median_ms": median_ms,
+            "img_per_s": args.images / (median_ms / 1e3),
+            "ratio_vs_base": base_ms / median_ms,
+        }))
+
+
+if __name__ == "__main__":
+    main()
