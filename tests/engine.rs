@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{Expected, errors, fixture_dir, requests};
+use common::{Expected, errors, fixture_dir, fixture_requests};
 use mmlora::device::{self, RuntimeDevice};
 use mmlora::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
 
@@ -18,18 +18,6 @@ fn engine(on: &RuntimeDevice, options: EngineOptions) -> Engine {
             .unwrap();
     }
     engine
-}
-
-/// The fixture's requests, their images given as files.
-fn fixture_requests() -> Vec<Request> {
-    requests()
-        .into_iter()
-        .map(|r| Request {
-            image: ImageSource::File(fixture_dir().join(&r.image)),
-            id: r.id,
-            adapter: r.adapter,
-        })
-        .collect()
 }
 
 /// Every result against the fixture's transformers + PEFT outputs.

@@ -5,7 +5,7 @@
 mod common;
 
 use burn::tensor::{Distribution, Tensor};
-use common::{errors, fixture_dir, requests};
+use common::{errors, fixture_dir, fixture_requests};
 use mmlora::bench::Preset;
 use mmlora::device::{self, RuntimeDevice};
 use mmlora::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
@@ -15,17 +15,6 @@ use mmlora::model::qwen2_vl::Qwen2VlVision;
 
 /// The tiny model's widest row: one patch of 3 × 2 × 14 × 14 values, 4 bytes each.
 const TINY_ROW_BYTES: u64 = 1176 * 4;
-
-fn fixture_requests() -> Vec<Request> {
-    requests()
-        .into_iter()
-        .map(|r| Request {
-            image: ImageSource::File(fixture_dir().join(&r.image)),
-            id: r.id,
-            adapter: r.adapter,
-        })
-        .collect()
-}
 
 fn encode(on: &RuntimeDevice) -> (Engine, Vec<Encoded>) {
     let mut engine = Engine::open(&fixture_dir(), on.clone(), EngineOptions::default()).unwrap();

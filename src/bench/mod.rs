@@ -79,6 +79,11 @@ pub struct BenchSpec {
     pub repeats: usize,
 }
 
+/// The default image side on a software GPU (lavapipe): it runs the tower at ~1/5 of the CPU
+/// backend's speed, so the default set runs at a quarter of the patches to finish within 20
+/// minutes on 2 cores.
+pub const SOFTWARE_GPU_SIDE: usize = 112;
+
 impl Default for BenchSpec {
     /// 8 images of 224², base, one rank-16 adapter, and 8 distinct rank-16 adapters mixed.
     fn default() -> Self {

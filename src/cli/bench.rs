@@ -18,9 +18,10 @@ pub struct BenchArgs {
     /// Images per batch.
     #[arg(long, default_value_t = BenchSpec::default().images)]
     images: usize,
-    /// Side of each square image in pixels.
-    #[arg(long, default_value_t = BenchSpec::default().side)]
-    side: usize,
+    /// Side of each square image in pixels [default: 224; 112 on a software GPU such as
+    /// lavapipe, to keep the default set within 20 minutes on 2 cores].
+    #[arg(long)]
+    side: Option<usize>,
     /// Distinct adapters mixed per configuration, comma-separated (1: all images share one).
     #[arg(long, value_delimiter = ',', default_values_t = BenchSpec::default().adapters)]
     adapters: Vec<usize>,
@@ -62,17 +63,23 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
     if let Some(plot) = &args.plot {
         check_writable_folder(plot)?;
     }
+    let runtime = device::select(args.device)?;
+    let kind = if runtime.wgpu.is_some() { "gpu" } else { "cpu" };
+    eprintln!("device: {}", runtime.description);
+    let software_gpu = runtime.wgpu.is_some() && !runtime.hardware_gpu;
+    let side = args.side.unwrap_or(if software_gpu {
+        bench::SOFTWARE_GPU_SIDE
+    } else {
+        BenchSpec::default().side
+    });
     let spec = BenchSpec {
         preset: args.preset,
         images: args.images,
-        side: args.side,
+        side,
         adapters: args.adapters,
         ranks: args.ranks,
         repeats: args.repeats,
     };
-    let runtime = device::select(args.device)?;
-    let kind = if runtime.wgpu.is_some() { "gpu" } else { "cpu" };
-    eprintln!("device: {}", runtime.description);
     let records = bench::run(&spec, &runtime, kind, |configuration| {
         eprintln!("{configuration}…");
     })?;

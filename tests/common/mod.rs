@@ -36,6 +36,18 @@ pub fn requests() -> Vec<FixtureRequest> {
     serde_json::from_str::<BatchFile>(&text).unwrap().requests
 }
 
+/// The fixture's requests as engine requests, their images given as files.
+pub fn fixture_requests() -> Vec<mmlora::engine::Request> {
+    requests()
+        .into_iter()
+        .map(|r| mmlora::engine::Request {
+            image: mmlora::engine::ImageSource::File(fixture_dir().join(&r.image)),
+            id: r.id,
+            adapter: r.adapter,
+        })
+        .collect()
+}
+
 /// The reference outputs.
 pub struct Expected {
     bytes: Vec<u8>,
