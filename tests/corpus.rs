@@ -130,7 +130,7 @@ fn jpeg_claiming(width: u16, height: u16) -> Vec<u8> {
     let mut bytes = std::fs::read(fixture("images/wide.jpg")).unwrap();
     let sof = bytes
         .windows(2)
-        .position(|w| w[0] == 0xFF && matches!(w[1], 0xC0 | 0xC1 | 0xC2))
+        .position(|w| w[0] == 0xFF && matches!(w[1], 0xC0..=0xC2))
         .expect("a frame header");
     bytes[sof + 5..sof + 7].copy_from_slice(&height.to_be_bytes());
     bytes[sof + 7..sof + 9].copy_from_slice(&width.to_be_bytes());

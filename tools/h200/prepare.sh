@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Builds, here, everything the H200 check runs and packs it into .device/ (git-ignored), to be
+# carried with `.gl` (the Vulkan loader, see the device tool's README) and run there with
+# `bash tools/h200/run.sh`. The device has no Rust toolchain; binaries are stripped and
+# xz-compressed to stay under the 64 MiB the working tree may carry.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+cargo build --release
+# name=path of each test binary the check runs (the library's unit tests hold the op tests).
+cargo test --release --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+wanted = {"mmlora": "lib", "engine": "engine", "soak": "soak", "device_faults": "device_faults"}
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"):
+        continue
+    t = m["target"]
+    key = "lib" if t["kind"] == ["lib"] else t["name"]
+    if t["name"] in wanted and (key == "lib" or t["kind"] == ["test"]):
+        print(wanted[t["name"]] + "=" + m["executable"])
+' > /tmp/h200-binaries.txt
+echo "mmlora=target/release/mmlora" >> /tmp/h200-binaries.txt
+
+rm -rf .device && mkdir -p .device
+while IFS='=' read -r name path; do
+    strip -o "/tmp/h200-$name" "$path"
+    xz -T2 -6 -c "/tmp/h200-$name" > ".device/$name.xz"
+    rm "/tmp/h200-$name"
+done < /tmp/h200-binaries.txt
+du -ch .device/* .gl/* 2>/dev/null | tail -1

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The H200 check, in one device call (about 6 minutes there, start-up aside):
+#   run(command="bash tools/h200/run.sh", carry=[".gl", ".device"], timeout_s=540)
+# after `bash tools/h200/prepare.sh` here. Logs and results land in $OUT.
+set -uo pipefail
+for f in .gl/*.deb; do dpkg -x "$f" /; done
+ldconfig
+export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+export XDG_RUNTIME_DIR=/tmp CI=true WGPU_BACKEND=vulkan
+# The binaries find the fixtures under the path they were built in.
+mkdir -p /work && ln -sfn "$PWD" /work/main
+python3 - <<'PY'
+import lzma, os, pathlib
+out = pathlib.Path("/tmp/bin"); out.mkdir(exist_ok=True)
+for packed in pathlib.Path(".device").glob("*.xz"):
+    target = out / packed.stem
+    target.write_bytes(lzma.decompress(packed.read_bytes()))
+    os.chmod(target, 0o755)
+PY
+step() { echo "== $1" >&2; shift; timeout "$@"; echo "== exit $?" >&2; }
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    step devices 60 /tmp/bin/mmlora devices
+    # Correctness on a real Vulkan driver: the op against the native path, the engine against
+    # transformers + PEFT, isolation, device faults.
+    step "op tests" 300 /tmp/bin/lib lora::ops
+    step "engine tests" 300 /tmp/bin/engine
+    step "soak (200 batches)" 300 env MMLORA_SOAK_BATCHES=200 /tmp/bin/soak on_wgpu --nocapture
+    step "device faults" 300 /tmp/bin/device_faults
+} 2>&1 | tee "$OUT/checks.log"
+# Numbers: the issue's shapes (8 images of 448², 1–16 adapters, ranks 16 and 64; the op at
+# 256, 4096 and 8192 rows), then the default set.
+step "bench 448" 420 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
+    --adapters 1,2,4,8,16 --ranks 16,64 --op-rows 256,4096,8192 --plot "$OUT/h200-448.png" \
+    > "$OUT/bench-448.jsonl" 2> "$OUT/bench-448.log"
+step "bench default" 300 /tmp/bin/mmlora bench --device gpu --json \
+    > "$OUT/bench-default.jsonl" 2> "$OUT/bench-default.log"
+tail -n 40 "$OUT"/bench-*.jsonl
