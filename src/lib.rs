@@ -10,6 +10,8 @@ pub mod adapters;
 pub mod bench;
 pub mod device;
 pub mod engine;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod lora;
 pub mod mapping;
 pub mod model;

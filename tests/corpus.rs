@@ -782,7 +782,8 @@ impl Serving {
                 requests.insert(
                     1,
                     Request {
-                        id: path.file_name().unwrap().to_string_lossy().into_owned(),
+                        // Not the file's name: the error itself must name the file.
+                        id: "broken".to_owned(),
                         image: ImageSource::File(path.to_owned()),
                         adapter: Some("all-r4".to_owned()),
                     },

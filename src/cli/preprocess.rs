@@ -25,7 +25,8 @@ pub struct PreprocessArgs {
 pub fn run(args: PreprocessArgs) -> Result<(), CliError> {
     let model_dir = args.model.unwrap_or_else(default_model_dir);
     let config = PreprocessConfig::from_model_dir(&model_dir)?;
-    let patches = preprocess(&load_image(&args.image)?, &config)?;
+    let patches =
+        preprocess(&load_image(&args.image)?, &config).map_err(|e| e.in_file(&args.image))?;
     let grid = patches.grid_thw.map(|g| g as i64);
     write_safetensors(
         &args.out,

@@ -738,7 +738,7 @@ fn request_patches(
     let patches = match &request.image {
         ImageSource::File(path) => {
             let image = load_image(path).map_err(image_error)?;
-            preprocess(&image, preprocess_config).map_err(image_error)?
+            preprocess(&image, preprocess_config).map_err(|e| image_error(e.in_file(path)))?
         }
         ImageSource::Decoded(image) => preprocess(image, preprocess_config).map_err(image_error)?,
         ImageSource::Patches(patches) => patches.clone(),

@@ -110,6 +110,18 @@ pub enum PreprocessError {
         /// Why.
         reason: &'static str,
     },
+    /// The image in a file has a shape that cannot be resized to patches.
+    #[error("image {path} is {width}×{height} and cannot be processed: {reason}")]
+    FileShape {
+        /// The file.
+        path: PathBuf,
+        /// Its width.
+        width: usize,
+        /// Its height.
+        height: usize,
+        /// Why.
+        reason: &'static str,
+    },
     /// `preprocessor_config.json` is malformed.
     #[error("malformed {path}: {source}")]
     Config {
@@ -118,6 +130,25 @@ pub enum PreprocessError {
         /// Why.
         source: serde_json::Error,
     },
+}
+
+impl PreprocessError {
+    /// The error naming the file the image came from, where it did not already.
+    pub fn in_file(self, path: &Path) -> Self {
+        match self {
+            Self::Shape {
+                width,
+                height,
+                reason,
+            } => Self::FileShape {
+                path: path.to_owned(),
+                width,
+                height,
+                reason,
+            },
+            other => other,
+        }
+    }
 }
 
 impl PreprocessConfig {
