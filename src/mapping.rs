@@ -648,6 +648,25 @@ mod tests {
             ),
             Err(MappingError::StateMismatch { index: 0, .. })
         ));
+        // Another request with another adapter on `req-with-lora`'s index.
+        let mut overwritten = state.clone();
+        let other = AdapterRequest {
+            id: 9,
+            ..vision_lora()
+        };
+        overwritten
+            .add_request("req-other", 0, Some(other))
+            .unwrap();
+        assert!(matches!(
+            set_active_mm_loras(
+                &model,
+                &cache,
+                &index,
+                &overwritten,
+                &scheduled(&[("req-with-lora", &[0])])
+            ),
+            Err(MappingError::StateMismatch { id: 9, .. })
+        ));
         let mut state = LoraState::new(1);
         let zero = AdapterRequest {
             id: NO_ADAPTER,
