@@ -79,10 +79,16 @@ pub struct BenchSpec {
     pub repeats: usize,
 }
 
-/// The default image side on a software GPU (lavapipe): it runs the tower at ~1/5 of the CPU
-/// backend's speed, so the default set runs at a quarter of the patches to finish within 20
-/// minutes on 2 cores.
+/// The default image side on a software GPU (lavapipe): it runs the 2B tower about 6× slower
+/// than the CPU backend, so the default set runs at a quarter of the patches to finish within
+/// 20 minutes on 2 cores.
 pub const SOFTWARE_GPU_SIDE: usize = 112;
+
+/// Rows at which `mmlora bench` times the LoRA op alone by default.
+pub const OP_ROWS: [usize; 2] = [256, 4096];
+
+/// The same on a software GPU, where 4096 rows take minutes.
+pub const SOFTWARE_GPU_OP_ROWS: [usize; 2] = [256, 1024];
 
 impl Default for BenchSpec {
     /// 8 images of 224², base, one rank-16 adapter, and 8 distinct rank-16 adapters mixed.

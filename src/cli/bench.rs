@@ -38,9 +38,10 @@ pub struct BenchArgs {
     #[arg(long)]
     json: bool,
     /// Rows for the LoRA op alone (at the preset's attn.qkv, with the most --adapters mixed),
-    /// against the base linear and a naive gather-and-batched-matmul, comma-separated.
-    #[arg(long, value_delimiter = ',', default_values_t = [256, 4096])]
-    op_rows: Vec<usize>,
+    /// against the base linear and a naive gather-and-batched-matmul, comma-separated
+    /// [default: 256,4096; 256,1024 on a software GPU].
+    #[arg(long, value_delimiter = ',')]
+    op_rows: Option<Vec<usize>>,
     /// Skip the LoRA op comparison.
     #[arg(long)]
     no_op: bool,
@@ -54,7 +55,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
     if args.images == 0
         || args.adapters.contains(&0)
         || args.ranks.contains(&0)
-        || args.op_rows.contains(&0)
+        || args.op_rows.as_ref().is_some_and(|rows| rows.contains(&0))
     {
         return Err(CliError::Usage(
             "--images, --adapters, --ranks and --op-rows must be at least 1".to_owned(),
@@ -84,14 +85,15 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         eprintln!("{configuration}…");
     })?;
     let mixed = spec.adapters.iter().copied().max().unwrap_or(1);
-    let op_rows = if args.no_op {
-        &[][..]
-    } else {
-        &args.op_rows[..]
+    let op_rows = match (args.no_op, args.op_rows) {
+        (true, _) => vec![],
+        (false, Some(rows)) => rows,
+        (false, None) if software_gpu => bench::SOFTWARE_GPU_OP_ROWS.to_vec(),
+        (false, None) => bench::OP_ROWS.to_vec(),
     };
     let mut ops = Vec::new();
     for &rank in &spec.ranks {
-        for &rows in op_rows {
+        for &rows in &op_rows {
             eprintln!("the LoRA op alone: {rows} rows, rank {rank}, {mixed} adapters…");
             let shape = OpShape::qkv(&spec.preset.config(), rows, rank, mixed);
             ops.push(bench::op::run(shape, &runtime, kind, spec.repeats));
