@@ -2,39 +2,25 @@
 //! one 224×224 image on the CPU backend. Manual: `cargo test --release --test qwen2_vl_2b --
 //! --ignored --nocapture` (writes a 1.3 GB checkpoint to a temporary folder).
 
+mod common;
+
 use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
+use common::{OwnedTensor, write_safetensors};
 use mmlora::device;
 use mmlora::lora::meta::{KernelMeta, NO_SLOT};
 use mmlora::lora::ops::LoraBatch;
 use mmlora::model::qwen2_vl::Qwen2VlVision;
-use safetensors::{Dtype, View, serialize_to_file};
+use safetensors::Dtype;
 
 /// Qwen2-VL-2B's vision config (hub spelling).
 const CONFIG: &str = r#"{"model_type": "qwen2_vl", "vision_config": {"depth": 32, "embed_dim": 1280,
   "mlp_ratio": 4, "num_heads": 16, "in_chans": 3, "hidden_size": 1536, "patch_size": 14,
   "spatial_merge_size": 2, "spatial_patch_size": 14, "temporal_patch_size": 2}}"#;
 
-struct Random(Vec<usize>, Vec<u8>);
-
-impl View for &Random {
-    fn dtype(&self) -> Dtype {
-        Dtype::BF16
-    }
-    fn shape(&self) -> &[usize] {
-        &self.0
-    }
-    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-        (&self.1[..]).into()
-    }
-    fn data_len(&self) -> usize {
-        self.1.len()
-    }
-}
-
 /// Uniform values in ±`scale`, as bf16 bytes, from a fixed-seed xorshift.
-fn random(shape: &[usize], scale: f32, seed: &mut u64) -> Random {
+fn random(shape: &[usize], scale: f32, seed: &mut u64) -> OwnedTensor {
     let n: usize = shape.iter().product();
     let mut bytes = Vec::with_capacity(n * 2);
     for _ in 0..n {
@@ -44,7 +30,7 @@ fn random(shape: &[usize], scale: f32, seed: &mut u64) -> Random {
         let unit = (*seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
         bytes.extend(half::bf16::from_f32(unit * scale).to_le_bytes());
     }
-    Random(shape.to_vec(), bytes)
+    OwnedTensor(Dtype::BF16, shape.to_vec(), bytes)
 }
 
 #[test]
@@ -54,7 +40,7 @@ fn qwen2_vl_2b_vision_tower_runs_one_image_on_cpu() {
     std::fs::write(dir.path().join("config.json"), CONFIG).unwrap();
     let (d, mlp, merged, hidden) = (1280, 5120, 5120, 1536);
     let mut seed = 0x2b2b_2b2b_u64;
-    let mut tensors: Vec<(String, Random)> = vec![(
+    let mut tensors: Vec<(String, OwnedTensor)> = vec![(
         "model.visual.patch_embed.proj.weight".to_owned(),
         random(&[d, 3, 2, 14, 14], 0.03, &mut seed),
     )];
@@ -100,8 +86,7 @@ fn qwen2_vl_2b_vision_tower_runs_one_image_on_cpu() {
         "model.visual.merger.ln_q.bias".into(),
         random(&[d], 0.1, &mut seed),
     ));
-    let refs: Vec<(String, &Random)> = tensors.iter().map(|(n, t)| (n.clone(), t)).collect();
-    serialize_to_file(refs, None, &dir.path().join("model.safetensors")).unwrap();
+    write_safetensors(&dir.path().join("model.safetensors"), &tensors);
     drop(tensors);
 
     let cpu = device::cpu();

@@ -321,10 +321,7 @@ impl Engine {
         dir: &Path,
     ) -> Result<Arc<PeftAdapter>, EngineError> {
         let key = self.read_adapter(name, dir)?;
-        Ok(self
-            .registry
-            .touch(key)
-            .expect("an adapter just read is in memory"))
+        Ok(self.loaded(key))
     }
 
     /// Registers an adapter built in memory under its name, after checking it against the model.
@@ -334,11 +331,20 @@ impl Engine {
         adapter: PeftAdapter,
     ) -> Result<Arc<PeftAdapter>, EngineError> {
         adapter.check(&self.model.lora_targets(), self.options.max_rank)?;
+        Ok(self.register(adapter))
+    }
+
+    /// Registers an adapter already validated against this model.
+    fn register(&mut self, adapter: PeftAdapter) -> Arc<PeftAdapter> {
         let key = self.registry.insert(adapter);
-        Ok(self
-            .registry
+        self.loaded(key)
+    }
+
+    /// The weights of an adapter just registered (so in memory), marked most recently used.
+    fn loaded(&mut self, key: AdapterKey) -> Arc<PeftAdapter> {
+        self.registry
             .touch(key)
-            .expect("an adapter just inserted is in memory"))
+            .expect("an adapter just registered is in memory")
     }
 
     /// Reads, validates and registers an adapter; returns the key of its content.

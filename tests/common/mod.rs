@@ -135,37 +135,46 @@ pub fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
 /// A tensor to write: name, dtype, shape, little-endian bytes.
 pub type RawTensor = (String, Dtype, Vec<usize>, Vec<u8>);
 
+/// A tensor held in memory, as safetensors writes it.
+pub struct OwnedTensor(pub Dtype, pub Vec<usize>, pub Vec<u8>);
+
+impl safetensors::View for &OwnedTensor {
+    fn dtype(&self) -> Dtype {
+        self.0
+    }
+    fn shape(&self) -> &[usize] {
+        &self.1
+    }
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        (&self.2[..]).into()
+    }
+    fn data_len(&self) -> usize {
+        self.2.len()
+    }
+}
+
+/// Writes `tensors` as the safetensors file `path`.
+pub fn write_safetensors(path: &std::path::Path, tensors: &[(String, OwnedTensor)]) {
+    let refs: Vec<(String, &OwnedTensor)> = tensors.iter().map(|(n, t)| (n.clone(), t)).collect();
+    safetensors::serialize_to_file(refs, None, path).unwrap();
+}
+
 /// Rewrites the safetensors file at `path` through `edit(name, dtype, shape, bytes)`, which
 /// returns the tensors to write instead (none to drop one).
 pub fn rewrite_safetensors(
     path: &std::path::Path,
     edit: impl Fn(&str, Dtype, &[usize], &[u8]) -> Vec<RawTensor>,
 ) {
-    struct Owned(Dtype, Vec<usize>, Vec<u8>);
-    impl safetensors::View for &Owned {
-        fn dtype(&self) -> Dtype {
-            self.0
-        }
-        fn shape(&self) -> &[usize] {
-            &self.1
-        }
-        fn data(&self) -> std::borrow::Cow<'_, [u8]> {
-            (&self.2[..]).into()
-        }
-        fn data_len(&self) -> usize {
-            self.2.len()
-        }
-    }
     let bytes = std::fs::read(path).unwrap();
     let file = SafeTensors::deserialize(&bytes).unwrap();
     let mut tensors = Vec::new();
     for (name, view) in file.tensors() {
         for (n, d, s, b) in edit(&name, view.dtype(), view.shape(), view.data()) {
-            tensors.push((n, Owned(d, s, b)));
+            tensors.push((n, OwnedTensor(d, s, b)));
         }
     }
-    let refs: Vec<(String, &Owned)> = tensors.iter().map(|(n, o)| (n.clone(), o)).collect();
-    std::fs::write(path, safetensors::serialize(refs, None).unwrap()).unwrap();
+    drop(file);
+    write_safetensors(path, &tensors);
 }
 
 /// The tensor unchanged, for [`rewrite_safetensors`].
