@@ -3,8 +3,8 @@
 //!
 //! One backend extension ([`LoraBackend`]) with two implementations that share the same
 //! [`KernelMeta`]:
-//! - [`native`]: plain tensor ops on the CPU backend (Flex), the reference: for each slot's rows,
-//!   gather, two matmuls, scatter-add.
+//! - [`native`]: the CPU backend (Flex): for each slot's rows, two `gemm` calls on the tensors'
+//!   memory, the expand adding into the output in place. Checked against a float64 per-row loop.
 //! - [`wgsl`]: our shaders (`shaders/lora_shrink.wgsl`, `shaders/lora_expand.wgsl`) on Burn's
 //!   wgpu buffers, walking the same segments in tiles of rows.
 //!

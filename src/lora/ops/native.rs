@@ -1,13 +1,26 @@
-//! The reference implementation on the CPU backend: for each slot's rows, gather them, run the
-//! two small matmuls, and add the result back into those rows of the slice's columns.
+//! The CPU implementation on Flex: each slot's rows go through two `gemm` calls straight on the
+//! tensors' memory, and the expand accumulates into the output in place.
+//!
+//! Rows of one slot that sit next to each other (an image's patches) form a run: shrink reads
+//! the run from `x` where it lies and expand adds into the run's rows of the output, so the op
+//! costs its arithmetic and one pass over the output columns it touches. Rows in runs shorter
+//! than [`MIN_RUN`] (rows of many requests interleaved) are gathered per slot first, so a scattered
+//! mix costs a few larger calls instead of one tiny call per row.
 
 use burn::backend::{
     Flex,
     tensor::{FloatTensor, IntTensor},
 };
-use burn::tensor::{IndexingUpdateOp, Int, Tensor};
+use burn_flex::FlexTensor;
+use gemm::Parallelism;
 
 use super::{LoraBackend, LoraPlan};
+
+/// Runs shorter than this are gathered with the slot's other short runs.
+pub const MIN_RUN: usize = 16;
+
+/// Multiply-adds from which a `gemm` call is split over threads (Flex's own threshold).
+const PARALLEL_MACS: usize = 192 * 192 * 192;
 
 impl LoraBackend for Flex {
     fn lora_apply(
@@ -15,45 +28,227 @@ impl LoraBackend for Flex {
         base: FloatTensor<Self>,
         lora_a: FloatTensor<Self>,
         lora_b: FloatTensor<Self>,
-        sorted_tokens: IntTensor<Self>,
+        _sorted_tokens: IntTensor<Self>,
         _tiles: IntTensor<Self>,
         plan: LoraPlan,
         out_offset: usize,
     ) -> FloatTensor<Self> {
-        let x = Tensor::<2>::from_primitive::<Flex>(x);
-        let y = Tensor::<2>::from_primitive::<Flex>(base);
-        let a = Tensor::<3>::from_primitive::<Flex>(lora_a);
-        let b = Tensor::<3>::from_primitive::<Flex>(lora_b);
-        let sorted = Tensor::<1, Int>::from_primitive::<Flex>(sorted_tokens);
-
-        let [rows, _] = y.dims();
-        let [_, out, _] = b.dims();
-        let columns = out_offset..out_offset + out;
-        let mut slice = y.clone().slice([0..rows, columns.clone()]);
-        for segment in plan.0.lora_segments() {
-            let slot = segment.slot as usize;
-            let rows_of_slot = sorted
-                .clone()
-                .slice(segment.start..segment.start + segment.len);
-            let a_slot = a.clone().slice(slot..slot + 1).squeeze_dim::<2>(0); // [rank, in]
-            let b_slot = b.clone().slice(slot..slot + 1).squeeze_dim::<2>(0); // [out, rank]
-            let shrunk = x
-                .clone()
-                .select(0, rows_of_slot.clone())
-                .matmul(a_slot.transpose());
-            let delta = shrunk.matmul(b_slot.transpose());
-            slice = slice.select_assign(0, rows_of_slot, delta, IndexingUpdateOp::Add);
+        let (x, a, b) = (dense(x), dense(lora_a), dense(lora_b));
+        let mut y = dense(base);
+        let [slots, rank, in_features] = dims::<3>(&a);
+        let out = dims::<3>(&b)[1];
+        let out_total = dims::<2>(&y)[1];
+        let layer = Layer {
+            x: values(&x),
+            a: values(&a),
+            b: values(&b),
+            in_features,
+            rank,
+            out,
+            out_total,
+            out_offset,
+        };
+        debug_assert_eq!(layer.a.len(), slots * rank * in_features);
+        let y_values = values_mut(&mut y);
+        let meta = &plan.0;
+        for segment in meta.lora_segments() {
+            let rows = &meta.sorted_tokens()[segment.start..segment.start + segment.len];
+            layer.apply_slot(segment.slot as usize, rows, y_values);
         }
-        y.slice_assign([0..rows, columns], slice)
-            .try_into_primitive::<Flex>()
-            .expect("a Flex tensor stays on Flex")
+        y
     }
+}
+
+/// One slice of one layer, as flat row-major `f32` values.
+struct Layer<'a> {
+    /// `[rows, in]`.
+    x: &'a [f32],
+    /// `[slots, rank, in]`.
+    a: &'a [f32],
+    /// `[slots, out, rank]`.
+    b: &'a [f32],
+    in_features: usize,
+    rank: usize,
+    out: usize,
+    out_total: usize,
+    out_offset: usize,
+}
+
+impl Layer<'_> {
+    /// Adds slot `slot`'s delta to `rows` of `y` (`[rows, out_total]`).
+    fn apply_slot(&self, slot: usize, rows: &[u32], y: &mut [f32]) {
+        let mut scattered = Vec::new();
+        for run in runs(rows) {
+            if run.len() >= MIN_RUN {
+                self.apply_run(slot, run.start, run.len(), y);
+            } else {
+                scattered.extend(run);
+            }
+        }
+        if !scattered.is_empty() {
+            self.apply_gathered(slot, &scattered, y);
+        }
+    }
+
+    /// Rows `first .. first + len`, in place.
+    fn apply_run(&self, slot: usize, first: usize, len: usize, y: &mut [f32]) {
+        let x = &self.x[first * self.in_features..(first + len) * self.in_features];
+        let shrunk = self.shrink(slot, x, len);
+        let y_run = &mut y[first * self.out_total..(first + len) * self.out_total];
+        self.expand(
+            slot,
+            &shrunk,
+            len,
+            &mut y_run[self.out_offset..],
+            self.out_total,
+        );
+    }
+
+    /// Scattered `rows`: gathered into one block, and the delta added back row by row.
+    fn apply_gathered(&self, slot: usize, rows: &[usize], y: &mut [f32]) {
+        let n = self.in_features;
+        let x: Vec<f32> = rows
+            .iter()
+            .flat_map(|&row| &self.x[row * n..(row + 1) * n])
+            .copied()
+            .collect();
+        let shrunk = self.shrink(slot, &x, rows.len());
+        let mut delta = vec![0.0; rows.len() * self.out];
+        self.expand(slot, &shrunk, rows.len(), &mut delta, self.out);
+        for (&row, delta) in rows.iter().zip(delta.chunks_exact(self.out)) {
+            let start = row * self.out_total + self.out_offset;
+            for (y, d) in y[start..start + self.out].iter_mut().zip(delta) {
+                *y += d;
+            }
+        }
+    }
+
+    /// `x · A[slot]ᵀ` for `m` contiguous rows of `x`: `[m, rank]`.
+    fn shrink(&self, slot: usize, x: &[f32], m: usize) -> Vec<f32> {
+        let (k, r) = (self.in_features, self.rank);
+        let a = &self.a[slot * r * k..(slot + 1) * r * k];
+        let mut shrunk = vec![0.0; m * r];
+        // SAFETY: `shrunk` is `m × r` with row stride `r`; `x` holds `m × k` values with row
+        // stride `k`; `a` is `A[slot]` (`r × k`) read as its transpose (`k × r`: row stride 1,
+        // column stride `k`). Every index the call reads or writes lies in those slices.
+        unsafe {
+            gemm::gemm(
+                m,
+                r,
+                k,
+                shrunk.as_mut_ptr(),
+                1,
+                r as isize,
+                false,
+                x.as_ptr(),
+                1,
+                k as isize,
+                a.as_ptr(),
+                k as isize,
+                1,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                parallelism(m, r, k),
+            );
+        }
+        shrunk
+    }
+
+    /// `dst += shrunk · B[slot]ᵀ` for `m` rows; `dst` starts at the first row's first column
+    /// and its rows lie `row_stride` apart.
+    fn expand(&self, slot: usize, shrunk: &[f32], m: usize, dst: &mut [f32], row_stride: usize) {
+        let (r, out) = (self.rank, self.out);
+        let b = &self.b[slot * out * r..(slot + 1) * out * r];
+        assert!(
+            shrunk.len() == m * r && dst.len() >= (m - 1) * row_stride + out,
+            "the expand's operands cover its {m} × {out} output"
+        );
+        // SAFETY: `dst` holds `m` rows of `out` values `row_stride` apart (checked above);
+        // `shrunk` is `m × r` with row stride `r`; `b` is `B[slot]` (`out × r`) read as its
+        // transpose (`r × out`: row stride 1, column stride `r`).
+        unsafe {
+            gemm::gemm(
+                m,
+                out,
+                r,
+                dst.as_mut_ptr(),
+                1,
+                row_stride as isize,
+                true,
+                shrunk.as_ptr(),
+                1,
+                r as isize,
+                b.as_ptr(),
+                r as isize,
+                1,
+                1.0,
+                1.0,
+                false,
+                false,
+                false,
+                parallelism(m, out, r),
+            );
+        }
+    }
+}
+
+/// Maximal runs of consecutive row numbers in `rows`, in order.
+fn runs(rows: &[u32]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    let mut rest = rows;
+    std::iter::from_fn(move || {
+        let (&first, _) = rest.split_first()?;
+        let len = 1 + rest
+            .windows(2)
+            .take_while(|pair| pair[1] == pair[0] + 1)
+            .count();
+        rest = &rest[len..];
+        Some(first as usize..first as usize + len)
+    })
+}
+
+/// Splits a call over threads when it is large enough to gain from it.
+fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
+    if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_MACS {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
+    }
+}
+
+/// `tensor` laid out densely, row-major from its first element, as the `gemm` calls read it.
+fn dense(tensor: FlexTensor) -> FlexTensor {
+    if tensor.layout().contiguous_offsets().map(|(start, _)| start) == Some(0) {
+        tensor
+    } else {
+        tensor.to_contiguous()
+    }
+}
+
+fn dims<const D: usize>(tensor: &FlexTensor) -> [usize; D] {
+    tensor.layout().shape().dims::<D>()
+}
+
+fn values(tensor: &FlexTensor) -> &[f32] {
+    tensor
+        .as_slice()
+        .expect("a dense f32 tensor (checked by lora_apply)")
+}
+
+fn values_mut(tensor: &mut FlexTensor) -> &mut [f32] {
+    let len = tensor.layout().num_elements();
+    &mut tensor.storage_mut::<f32>()[..len]
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::lora_apply;
     use super::super::testing::{Problem, assert_matches, problems, reference};
+    use super::{MIN_RUN, runs};
     use crate::device;
+    use burn::tensor::Tensor;
     use proptest::prelude::*;
 
     /// The native op against a float64 per-row loop, within the f32 error bound.
@@ -67,10 +262,45 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 24, max_shrink_iters: 0, ..ProptestConfig::default() })]
+        #![proptest_config(ProptestConfig { cases: 32, max_shrink_iters: 0, ..ProptestConfig::default() })]
         #[test]
         fn native_matches_float64(problem in problems()) {
             check(&problem);
         }
+    }
+
+    /// A strided `x` is read right, and a `base` the caller still holds is left as it was.
+    #[test]
+    fn strided_input_and_shared_base() {
+        let cpu = device::cpu();
+        let problem = Problem {
+            in_features: 64,
+            slices: vec![(48, 4), (16, 2)],
+            slots: 2,
+            token_slots: (0..4 * MIN_RUN)
+                .map(|row| (row / (2 * MIN_RUN)) as i32)
+                .collect(),
+        };
+        let data = problem.data(&cpu);
+        let expected = reference(&problem, &data);
+        let x_t = Tensor::<2>::from_data(data.x.clone().transpose().into_data(), &cpu.device);
+        let before = data.base.clone().into_data();
+        let y = lora_apply(
+            x_t.transpose(),
+            data.base.clone(),
+            &data.slices,
+            &problem.batch(&cpu),
+        )
+        .unwrap();
+        // Tolerance: the same f32 bound as for any other problem.
+        assert_matches(&problem, &data, &expected, &y, 1.0);
+        data.base.into_data().assert_eq(&before, true);
+    }
+
+    #[test]
+    fn runs_split_at_gaps() {
+        let found: Vec<_> = runs(&[3, 4, 5, 9, 0, 1, 7]).collect();
+        assert_eq!(found, [3..6, 9..10, 0..2, 7..8]);
+        assert_eq!(runs(&[]).count(), 0);
     }
 }

@@ -228,6 +228,8 @@ enum Mix {
     OneAdapter,
     EveryRowDifferent,
     Random,
+    /// Runs of up to 300 rows per slot, as images lay out their patches.
+    Blocks,
 }
 
 /// Random problems: 1..2000 rows, widths from [`WIDTHS`], ranks 1..=64, 1..=16 slots, one to
@@ -239,6 +241,7 @@ pub fn problems() -> impl Strategy<Value = Problem> {
         Just(Mix::EveryRowDifferent),
         Just(Mix::Random),
         Just(Mix::Random),
+        Just(Mix::Blocks),
     ];
     (
         1usize..2000,
@@ -261,12 +264,21 @@ pub fn problems() -> impl Strategy<Value = Problem> {
                     .wrapping_add(1442695040888963407);
                 (state >> 33) as usize
             };
+            let (mut block_slot, mut block_left) = (NO_SLOT, 0);
             let token_slots = (0..rows)
                 .map(|row| match mix {
                     Mix::NoAdapter => NO_SLOT,
                     Mix::OneAdapter => (slots - 1) as i32,
                     Mix::EveryRowDifferent => (row % (slots + 1)) as i32 - 1,
                     Mix::Random => (next() % (slots + 1)) as i32 - 1,
+                    Mix::Blocks => {
+                        if block_left == 0 {
+                            block_slot = (next() % (slots + 1)) as i32 - 1;
+                            block_left = 1 + next() % 300;
+                        }
+                        block_left -= 1;
+                        block_slot
+                    }
                 })
                 .collect();
             Problem {
