@@ -8,6 +8,7 @@
 
 pub mod op;
 pub mod plot;
+pub mod scale;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -139,8 +140,7 @@ pub fn run(
     let config = spec.preset.config();
     let preprocess = PreprocessConfig::default();
     let model = Qwen2VlVision::random(config.clone(), &device.device);
-    let targets = config.lora_targets();
-    let requests = images(spec, &config, &preprocess)?;
+    let requests = random_images(spec.images, spec.side, &config, &preprocess)?;
 
     let mut configurations = vec![(0, 0)];
     for &rank in &spec.ranks {
@@ -149,25 +149,8 @@ pub fn run(
     let mut runs = Vec::with_capacity(configurations.len());
     for &(adapters, rank) in &configurations {
         progress(&format!("preparing {adapters} adapters of rank {rank}"));
-        let options = EngineOptions {
-            max_loras: adapters.max(1),
-            max_rank: rank.max(1),
-            max_cpu_adapters: adapters.max(1),
-            max_step_rows: usize::MAX,
-        };
-        let mut engine =
-            Engine::with_model(model.clone(), preprocess.clone(), device.clone(), options)?;
-        for k in 0..adapters {
-            engine.insert_adapter(random_adapter(&format!("r{rank}-{k}"), &targets, rank, k))?;
-        }
-        let batch: Vec<Request> = requests
-            .iter()
-            .enumerate()
-            .map(|(i, r)| Request {
-                adapter: (adapters > 0).then(|| format!("r{rank}-{}", i % adapters)),
-                ..r.clone()
-            })
-            .collect();
+        let mut engine = engine_with_adapters(&model, device, adapters, adapters, rank)?;
+        let batch = mixed_batch(&requests, adapters, rank);
         engine.encode(&batch, false)?; // warm-up
         runs.push((engine, batch, Vec::with_capacity(spec.repeats)));
     }
@@ -198,21 +181,22 @@ pub fn run(
         .collect())
 }
 
-/// `spec.images` requests of random patches for square images of `spec.side` pixels.
-fn images(
-    spec: &BenchSpec,
+/// `count` requests of random patches for square images of `side` pixels.
+fn random_images(
+    count: usize,
+    side: usize,
     config: &VisionConfig,
     preprocess: &PreprocessConfig,
 ) -> Result<Vec<Request>, EngineError> {
     let factor = preprocess.patch_size * preprocess.merge_size;
     let (height, width) = smart_resize(
-        spec.side,
-        spec.side,
+        side,
+        side,
         factor,
         preprocess.min_pixels,
         preprocess.max_pixels,
     )
-    .map_err(|e| EngineError::Options(format!("image side {}: {e}", spec.side)))?;
+    .map_err(|e| EngineError::Options(format!("image side {side}: {e}")))?;
     let grid_thw = [
         1,
         height / preprocess.patch_size,
@@ -220,7 +204,7 @@ fn images(
     ];
     let rows = grid_thw.iter().product::<usize>();
     let mut random = XorShift(0x5eed);
-    Ok((0..spec.images)
+    Ok((0..count)
         .map(|i| Request {
             id: format!("image{i}"),
             image: ImageSource::Patches(Patches {
@@ -232,6 +216,46 @@ fn images(
             adapter: None,
         })
         .collect())
+}
+
+/// An engine around `model` with `slots` GPU slots and `loaded` random adapters of `rank`
+/// registered (named `r{rank}-{k}`), all held in host memory.
+fn engine_with_adapters(
+    model: &Qwen2VlVision,
+    device: &RuntimeDevice,
+    slots: usize,
+    loaded: usize,
+    rank: usize,
+) -> Result<Engine, EngineError> {
+    let options = EngineOptions {
+        max_loras: slots.max(1),
+        max_rank: rank.max(1),
+        max_cpu_adapters: loaded.max(slots).max(1),
+        max_step_rows: usize::MAX,
+    };
+    let mut engine = Engine::with_model(
+        model.clone(),
+        PreprocessConfig::default(),
+        device.clone(),
+        options,
+    )?;
+    let targets = model.lora_targets();
+    for k in 0..loaded {
+        engine.insert_adapter(random_adapter(&format!("r{rank}-{k}"), &targets, rank, k))?;
+    }
+    Ok(engine)
+}
+
+/// `requests` with request `i` on adapter `r{rank}-{i % adapters}` (no adapter when 0).
+fn mixed_batch(requests: &[Request], adapters: usize, rank: usize) -> Vec<Request> {
+    requests
+        .iter()
+        .enumerate()
+        .map(|(i, r)| Request {
+            adapter: (adapters > 0).then(|| format!("r{rank}-{}", i % adapters)),
+            ..r.clone()
+        })
+        .collect()
 }
 
 /// An adapter on every target of rank `rank` (scale 1), A and B uniform and small, the same

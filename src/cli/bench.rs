@@ -1,10 +1,12 @@
-//! `mmlora bench`: throughput with K distinct adapters mixed in one batch against the base.
+//! `mmlora bench`: throughput with K distinct adapters mixed in one batch against the base, or
+//! (`--scale`) how time and memory grow with images and adapters.
 
 use std::path::PathBuf;
 
 use mmlora::bench::op::OpShape;
+use mmlora::bench::scale::{self, ScaleSpec};
 use mmlora::bench::{self, BenchSpec, Preset};
-use mmlora::device::{self, DeviceChoice};
+use mmlora::device::{self, DeviceChoice, RuntimeDevice};
 
 use super::CliError;
 use super::output::check_writable_folder;
@@ -48,6 +50,21 @@ pub struct BenchArgs {
     /// Also draw throughput against the number of mixed adapters into this PNG file.
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Instead of the throughput set, sweep images per batch (at the base and with the most
+    /// --adapters mixed) and then adapters loaded past the GPU slots; time and peak memory of
+    /// each, at the first of --ranks [side default: 112].
+    #[arg(long, conflicts_with_all = ["plot", "op_rows", "no_op", "images"])]
+    scale: bool,
+    /// Images per batch in the --scale image sweep, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = ScaleSpec::default().images)]
+    scale_images: Vec<usize>,
+    /// Adapters in the --scale adapter sweep, comma-separated (each batch has the most
+    /// --scale-images images, cycling through the adapters).
+    #[arg(long, value_delimiter = ',', default_values_t = ScaleSpec::default().adapters)]
+    scale_adapters: Vec<usize>,
+    /// GPU slots in the --scale adapter sweep.
+    #[arg(long, default_value_t = ScaleSpec::default().slots)]
+    slots: usize,
 }
 
 /// Runs `mmlora bench`.
@@ -56,9 +73,14 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         || args.adapters.contains(&0)
         || args.ranks.contains(&0)
         || args.op_rows.as_ref().is_some_and(|rows| rows.contains(&0))
+        || args.scale_images.contains(&0)
+        || args.scale_adapters.contains(&0)
+        || args.slots == 0
     {
         return Err(CliError::Usage(
-            "--images, --adapters, --ranks and --op-rows must be at least 1".to_owned(),
+            "--images, --adapters, --ranks, --op-rows, --scale-images, --scale-adapters and \
+             --slots must be at least 1"
+                .to_owned(),
         ));
     }
     if let Some(plot) = &args.plot {
@@ -67,6 +89,9 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
     let runtime = device::select(args.device)?;
     let kind = if runtime.wgpu.is_some() { "gpu" } else { "cpu" };
     eprintln!("device: {}", runtime.description);
+    if args.scale {
+        return run_scale(args, &runtime, kind);
+    }
     let software_gpu = runtime.wgpu.is_some() && !runtime.hardware_gpu;
     let side = args.side.unwrap_or(if software_gpu {
         bench::SOFTWARE_GPU_SIDE
@@ -145,6 +170,65 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
     if let Some(path) = &args.plot {
         bench::plot::throughput_png(&records, path)?;
         eprintln!("plot: {}", path.display());
+    }
+    Ok(())
+}
+
+/// Runs `mmlora bench --scale`.
+fn run_scale(args: BenchArgs, runtime: &RuntimeDevice, kind: &str) -> Result<(), CliError> {
+    let spec = ScaleSpec {
+        preset: args.preset,
+        side: args.side.unwrap_or(scale::SCALE_SIDE),
+        rank: args.ranks[0],
+        repeats: args.repeats,
+        adapter_images: args.scale_images.iter().copied().max().unwrap_or(1),
+        images: args.scale_images,
+        mixed: args.adapters.iter().copied().max().unwrap_or(1),
+        adapters: args.scale_adapters,
+        slots: args.slots,
+    };
+    let records = scale::run(&spec, runtime, kind, |configuration| {
+        eprintln!("{configuration}…");
+    })?;
+    if args.json {
+        for record in &records {
+            println!(
+                "{}",
+                serde_json::to_string(record).expect("records serialise")
+            );
+        }
+        return Ok(());
+    }
+    let mib = |value: Option<f64>| value.map_or("-".to_owned(), |v| format!("{v:.0}"));
+    println!(
+        "{:>8} {:>6} {:>6} {:>8} {:>5} {:>5} {:>11} {:>9} {:>8} {:>9} {:>10}",
+        "sweep",
+        "images",
+        "loaded",
+        "adapters",
+        "slots",
+        "steps",
+        "median ms",
+        "ms/image",
+        "img/s",
+        "peak RSS",
+        "device MiB"
+    );
+    for r in &records {
+        println!(
+            "{:>8} {:>6} {:>6} {:>8} {:>5} {:>5} {:>11.1} {:>9.1} {:>8.2} {:>9} {:>10}",
+            r.sweep,
+            r.images,
+            r.loaded,
+            r.adapters,
+            r.slots,
+            r.steps,
+            r.median_ms,
+            r.ms_per_image,
+            r.img_per_s,
+            mib(r.peak_rss_mib),
+            mib(r.device_reserved_mib)
+        );
     }
     Ok(())
 }
