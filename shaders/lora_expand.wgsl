@@ -4,12 +4,16 @@
 // adjacent columns of all the tile's TILE_ROWS rows. Rows with slot -1 are in no tile, so their
 // output is never written and keeps the base value bit-for-bit. The tile's shrunk rows are staged
 // through workgroup memory RANK_TILE ranks at a time; B is read straight from storage.
+//
+// ELEM is the element type of lora_b and output (f32, or f16 where the device has SHADER_F16);
+// shrunk and the sums are f32, and each output is rounded to ELEM once, after its add.
+{{ enable }}
 
 @group(0) @binding(0) var<storage, read_write> shrunk: array<f32>;        // [rows, rank]
-@group(0) @binding(1) var<storage, read_write> lora_b: array<f32>;        // [slots, out, rank]
+@group(0) @binding(1) var<storage, read_write> lora_b: array<ELEM>;       // [slots, out, rank]
 @group(0) @binding(2) var<storage, read_write> sorted_tokens: array<i32>; // [rows]
 @group(0) @binding(3) var<storage, read_write> tiles: array<i32>;         // [n_tiles, 4]: slot, start, len, 0
-@group(0) @binding(4) var<storage, read_write> output: array<f32>;        // [rows, out_total]
+@group(0) @binding(4) var<storage, read_write> output: array<ELEM>;       // [rows, out_total]
 
 struct Params {
     out_features: u32,
@@ -22,6 +26,8 @@ struct Params {
     _pad2: u32,
 }
 @group(0) @binding(5) var<uniform> params: Params;
+
+alias ELEM = {{ elem }};
 
 const WORKGROUP: u32 = {{ workgroup }}u;
 const TILE_ROWS: u32 = {{ tile_rows }}u;
@@ -68,10 +74,10 @@ fn main(
             var bv = vec4<f32>(0.0);
             if (r0 + r < rank) {
                 bv = vec4<f32>(
-                    lora_b[b_row[0] + r0 + r],
-                    lora_b[b_row[1] + r0 + r],
-                    lora_b[b_row[2] + r0 + r],
-                    lora_b[b_row[3] + r0 + r],
+                    f32(lora_b[b_row[0] + r0 + r]),
+                    f32(lora_b[b_row[1] + r0 + r]),
+                    f32(lora_b[b_row[2] + r0 + r]),
+                    f32(lora_b[b_row[3] + r0 + r]),
                 );
             }
             for (var q = 0u; q < ROW_BLOCKS; q++) {
@@ -92,7 +98,7 @@ fn main(
             let base = token * params.out_total + params.out_offset;
             for (var c = 0u; c < 4u; c++) {
                 if (col + c < out_features) {
-                    output[base + col + c] = output[base + col + c] + acc[m][c];
+                    output[base + col + c] = ELEM(f32(output[base + col + c]) + acc[m][c]);
                 }
             }
         }

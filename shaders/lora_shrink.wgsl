@@ -5,9 +5,13 @@
 // touched. The tile's TILE_ROWS x RANK_TILE outputs are cut into 4x4 blocks; SPLIT threads share
 // a block, each summing every SPLIT-th column of the staged K_TILE columns, and the partial sums
 // are added up through workgroup memory at the end.
+//
+// ELEM is the element type of x and lora_a (f32, or f16 where the device has SHADER_F16); sums
+// are f32 and shrunk is always f32.
+{{ enable }}
 
-@group(0) @binding(0) var<storage, read_write> x: array<f32>;             // [rows, in]
-@group(0) @binding(1) var<storage, read_write> lora_a: array<f32>;        // [slots, rank, in]
+@group(0) @binding(0) var<storage, read_write> x: array<ELEM>;            // [rows, in]
+@group(0) @binding(1) var<storage, read_write> lora_a: array<ELEM>;       // [slots, rank, in]
 @group(0) @binding(2) var<storage, read_write> sorted_tokens: array<i32>; // [rows]
 @group(0) @binding(3) var<storage, read_write> tiles: array<i32>;         // [n_tiles, 4]: slot, start, len, 0
 @group(0) @binding(4) var<storage, read_write> shrunk: array<f32>;        // [rows, rank]
@@ -19,6 +23,8 @@ struct Params {
     _pad: u32,
 }
 @group(0) @binding(5) var<uniform> params: Params;
+
+alias ELEM = {{ elem }};
 
 const WORKGROUP: u32 = {{ workgroup }}u;
 const TILE_ROWS: u32 = {{ tile_rows }}u;
@@ -61,7 +67,7 @@ fn main(
             var value = 0.0;
             if (r < len && k0 + k < in_features) {
                 let token = u32(sorted_tokens[start + r]);
-                value = x[token * in_features + k0 + k];
+                value = f32(x[token * in_features + k0 + k]);
             }
             x_tile[k * ROW_BLOCKS + r / 4u][r % 4u] = value;
         }
@@ -70,7 +76,7 @@ fn main(
             let k = i % K_TILE;
             var value = 0.0;
             if (rank0 + r < rank && k0 + k < in_features) {
-                value = lora_a[(slot * rank + rank0 + r) * in_features + k0 + k];
+                value = f32(lora_a[(slot * rank + rank0 + r) * in_features + k0 + k]);
             }
             a_tile[k * RANK_BLOCKS + r / 4u][r % 4u] = value;
         }

@@ -2,8 +2,8 @@
 
 use std::sync::OnceLock;
 
-use burn::tensor::Device;
 use burn::tensor::wgpu::{WgpuBackend, WgpuInitError, WgpuSetup, wgpu};
+use burn::tensor::{DType, Device};
 
 /// Which backend to run on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -15,6 +15,27 @@ pub enum DeviceChoice {
     Cpu,
     /// Burn's wgpu backend with our WGSL kernels.
     Gpu,
+}
+
+/// The float type the model computes in.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Precision {
+    /// 32-bit floats everywhere: the reference.
+    #[default]
+    F32,
+    /// 16-bit weights, activations and matmuls on a GPU with `SHADER_F16` (norms and softmax
+    /// in f32; bf16 checkpoints compute this way too, as wgpu has no bf16).
+    F16,
+}
+
+impl Precision {
+    /// The tensor dtype.
+    pub fn dtype(self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::F16 => DType::F16,
+        }
+    }
 }
 
 /// A device ready for tensors, with a description of what it is.
@@ -32,6 +53,21 @@ pub struct RuntimeDevice {
     /// The wgpu instance, adapter, device and queue behind a GPU device, to share with other
     /// wgpu code (a renderer) instead of opening a second device.
     pub wgpu: Option<WgpuSetup>,
+}
+
+impl RuntimeDevice {
+    /// Whether the model can compute in `precision` here: f16 needs a GPU whose adapter has
+    /// `SHADER_F16` (the CPU backend's f16 would be emulated, slower than f32).
+    pub fn supports(&self, precision: Precision) -> bool {
+        match precision {
+            Precision::F32 => true,
+            Precision::F16 => {
+                self.wgpu.as_ref().is_some_and(|setup| {
+                    setup.device.features().contains(wgpu::Features::SHADER_F16)
+                }) && self.device.supports_dtype(DType::F16)
+            }
+        }
+    }
 }
 
 /// Why no GPU device could be had.

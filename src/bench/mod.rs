@@ -17,7 +17,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::adapters::{ModuleLora, PeftAdapter};
-use crate::device::RuntimeDevice;
+use crate::device::{Precision, RuntimeDevice};
 use crate::engine::{Engine, EngineError, EngineOptions, ImageSource, Request};
 use crate::model::qwen2_vl::{LoraTarget, Qwen2VlVision, VisionConfig};
 use crate::preprocess::{Patches, PreprocessConfig, smart_resize};
@@ -78,6 +78,8 @@ pub struct BenchSpec {
     pub ranks: Vec<usize>,
     /// Timed calls per configuration, after one warm-up call.
     pub repeats: usize,
+    /// The float type the model computes in.
+    pub precision: Precision,
 }
 
 /// The default image side on a software GPU (lavapipe): it runs the 2B tower about 6× slower
@@ -101,6 +103,7 @@ impl Default for BenchSpec {
             adapters: vec![1, 8],
             ranks: vec![16],
             repeats: 3,
+            precision: Precision::F32,
         }
     }
 }
@@ -122,6 +125,8 @@ pub struct BenchRecord {
     pub adapters: usize,
     /// Adapter rank (0: the base model).
     pub rank: usize,
+    /// `f32` or `f16`.
+    pub precision: String,
     /// Median time of one batch.
     pub median_ms: f64,
     /// Images per second at the median.
@@ -149,7 +154,8 @@ pub fn run(
     let mut runs = Vec::with_capacity(configurations.len());
     for &(adapters, rank) in &configurations {
         progress(&format!("preparing {adapters} adapters of rank {rank}"));
-        let mut engine = engine_with_adapters(&model, device, adapters, adapters, rank)?;
+        let mut engine =
+            engine_with_adapters(&model, device, spec.precision, adapters, adapters, rank)?;
         let batch = mixed_batch(&requests, adapters, rank);
         engine.encode(&batch, false)?; // warm-up
         runs.push((engine, batch, Vec::with_capacity(spec.repeats)));
@@ -174,6 +180,7 @@ pub fn run(
             side: spec.side,
             adapters,
             rank,
+            precision: precision_name(spec.precision).to_owned(),
             median_ms,
             img_per_s: spec.images as f64 / (median_ms / 1e3),
             ratio_vs_base: medians[0] / median_ms,
@@ -218,11 +225,20 @@ fn random_images(
         .collect())
 }
 
-/// An engine around `model` with `slots` GPU slots and `loaded` random adapters of `rank`
-/// registered (named `r{rank}-{k}`), all held in host memory.
+/// `f32` or `f16`.
+fn precision_name(precision: Precision) -> &'static str {
+    match precision {
+        Precision::F32 => "f32",
+        Precision::F16 => "f16",
+    }
+}
+
+/// An engine around `model` in `precision` with `slots` GPU slots and `loaded` random adapters
+/// of `rank` registered (named `r{rank}-{k}`), all held in host memory.
 fn engine_with_adapters(
     model: &Qwen2VlVision,
     device: &RuntimeDevice,
+    precision: Precision,
     slots: usize,
     loaded: usize,
     rank: usize,
@@ -232,6 +248,7 @@ fn engine_with_adapters(
         max_rank: rank.max(1),
         max_cpu_adapters: loaded.max(slots).max(1),
         max_step_rows: usize::MAX,
+        precision,
     };
     let mut engine = Engine::with_model(
         model.clone(),
@@ -324,6 +341,7 @@ mod tests {
             adapters: vec![1, 3],
             ranks: vec![2, 4],
             repeats: 1,
+            precision: Precision::F32,
         };
         let mut seen = Vec::new();
         let records = run(&spec, &crate::device::cpu(), "cpu", |c| {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use serde::Serialize;
 
-use crate::device::RuntimeDevice;
+use crate::device::{Precision, RuntimeDevice};
 use crate::lora::meta::KernelMeta;
 use crate::lora::ops::{LoraBatch, LoraSlice, lora_apply};
 use crate::model::qwen2_vl::{DEFAULT_BUFFER_LIMIT, VisionConfig};
@@ -25,10 +25,12 @@ pub struct OpShape {
     pub rank: usize,
     /// Distinct adapters; row `r` uses adapter `r % adapters`.
     pub adapters: usize,
+    /// The float type of every tensor.
+    pub precision: Precision,
 }
 
 impl OpShape {
-    /// The `attn.qkv` linear of a tower of shape `config`.
+    /// The `attn.qkv` linear of a tower of shape `config`, in f32.
     pub fn qkv(config: &VisionConfig, rows: usize, rank: usize, adapters: usize) -> Self {
         Self {
             rows,
@@ -36,6 +38,7 @@ impl OpShape {
             out_features: 3 * config.embed_dim,
             rank,
             adapters,
+            precision: Precision::F32,
         }
     }
 }
@@ -62,7 +65,9 @@ impl OpInputs {
             out_features,
             rank,
             adapters,
+            precision,
         } = shape;
+        let dtype = precision.dtype();
         let token_slots: Vec<i32> = (0..rows).map(|r| (r % adapters) as i32).collect();
         let meta = KernelMeta::from_token_slots(token_slots.clone(), adapters)
             .expect("slots below the adapter count");
@@ -70,23 +75,27 @@ impl OpInputs {
         let gathered_row = (rank * (in_features + out_features) * 4) as u64;
         Self {
             shape,
-            x: Tensor::random([rows, in_features], Distribution::Uniform(-1.0, 1.0), d),
-            weight_t: Tensor::random(
+            x: Tensor::<2>::random([rows, in_features], Distribution::Uniform(-1.0, 1.0), d)
+                .cast(dtype),
+            weight_t: Tensor::<2>::random(
                 [in_features, out_features],
                 Distribution::Uniform(-0.03, 0.03),
                 d,
-            ),
+            )
+            .cast(dtype),
             slice: LoraSlice {
-                a: Tensor::random(
+                a: Tensor::<3>::random(
                     [adapters, rank, in_features],
                     Distribution::Uniform(-0.03, 0.03),
                     d,
-                ),
-                b: Tensor::random(
+                )
+                .cast(dtype),
+                b: Tensor::<3>::random(
                     [adapters, out_features, rank],
                     Distribution::Uniform(-0.1, 0.1),
                     d,
-                ),
+                )
+                .cast(dtype),
                 offset: 0,
             },
             batch: LoraBatch::new(meta, d),
@@ -172,6 +181,8 @@ pub struct OpRecord {
     pub rank: usize,
     /// Distinct adapters mixed.
     pub adapters: usize,
+    /// `f32` or `f16`.
+    pub precision: String,
     /// The base linear alone, median ms.
     pub base_ms: f64,
     /// The base linear plus the op, median ms.
@@ -211,6 +222,7 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, kind: &str, repeats: usize) -> Op
         out_features: shape.out_features,
         rank: shape.rank,
         adapters: shape.adapters,
+        precision: super::precision_name(shape.precision).to_owned(),
         base_ms,
         lora_ms,
         naive_ms,

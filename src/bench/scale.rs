@@ -10,8 +10,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::{Preset, engine_with_adapters, median, mixed_batch, random_images};
-use crate::device::RuntimeDevice;
+use super::{Preset, engine_with_adapters, median, mixed_batch, precision_name, random_images};
+use crate::device::{Precision, RuntimeDevice};
 use crate::engine::EngineError;
 use crate::model::qwen2_vl::Qwen2VlVision;
 use crate::preprocess::PreprocessConfig;
@@ -40,6 +40,8 @@ pub struct ScaleSpec {
     pub slots: usize,
     /// Images per batch in the adapter sweep.
     pub adapter_images: usize,
+    /// The float type the model computes in.
+    pub precision: Precision,
 }
 
 /// Image side of the sweep by default: 64 images of it are 4096 tower rows.
@@ -60,6 +62,7 @@ impl Default for ScaleSpec {
             adapters: doubling,
             slots: 16,
             adapter_images: 64,
+            precision: Precision::F32,
         }
     }
 }
@@ -91,6 +94,8 @@ pub struct ScaleRecord {
     pub slots: usize,
     /// Scheduler steps per call.
     pub steps: usize,
+    /// `f32` or `f16`.
+    pub precision: String,
     /// Median time of one batch.
     pub median_ms: f64,
     /// `median_ms / images`.
@@ -141,7 +146,8 @@ pub fn run(
         device.device.memory_cleanup();
         let rss_reset = reset_peak_rss();
         let rank = if adapters == 0 { 0 } else { spec.rank };
-        let mut engine = engine_with_adapters(&model, device, slots, adapters, rank)?;
+        let mut engine =
+            engine_with_adapters(&model, device, spec.precision, slots, adapters, rank)?;
         let batch = mixed_batch(&requests[..images], adapters, rank);
         let encoded = engine.encode(&batch, false)?; // warm-up
         let steps = encoded.iter().map(|e| e.step + 1).max().unwrap_or(0);
@@ -165,6 +171,7 @@ pub fn run(
             rank,
             slots,
             steps,
+            precision: precision_name(spec.precision).to_owned(),
             median_ms,
             ms_per_image: median_ms / images as f64,
             img_per_s: images as f64 / (median_ms / 1e3),
@@ -213,6 +220,7 @@ mod tests {
             adapters: vec![2, 5, 6],
             slots: 2,
             adapter_images: 5,
+            precision: Precision::F32,
         };
         let records = run(&spec, &crate::device::cpu(), "cpu", |_| ()).unwrap();
         let seen: Vec<_> = records

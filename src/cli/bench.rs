@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use mmlora::bench::op::OpShape;
 use mmlora::bench::scale::{self, ScaleSpec};
 use mmlora::bench::{self, BenchSpec, Preset};
-use mmlora::device::{self, DeviceChoice, RuntimeDevice};
+use mmlora::device::{self, DeviceChoice, Precision, RuntimeDevice};
 
 use super::CliError;
 use super::output::check_writable_folder;
@@ -36,6 +36,9 @@ pub struct BenchArgs {
     /// Where to run.
     #[arg(long, value_enum, default_value = "auto")]
     device: DeviceChoice,
+    /// The float type to compute in (f16: a GPU with SHADER_F16).
+    #[arg(long, value_enum, default_value = "f32")]
+    precision: Precision,
     /// One JSON object per configuration instead of a table.
     #[arg(long)]
     json: bool,
@@ -105,6 +108,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         adapters: args.adapters,
         ranks: args.ranks,
         repeats: args.repeats,
+        precision: args.precision,
     };
     let records = bench::run(&spec, &runtime, kind, |configuration| {
         eprintln!("{configuration}…");
@@ -120,7 +124,10 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
     for &rank in &spec.ranks {
         for &rows in &op_rows {
             eprintln!("the LoRA op alone: {rows} rows, rank {rank}, {mixed} adapters…");
-            let shape = OpShape::qkv(&spec.preset.config(), rows, rank, mixed);
+            let shape = OpShape {
+                precision: spec.precision,
+                ..OpShape::qkv(&spec.preset.config(), rows, rank, mixed)
+            };
             ops.push(bench::op::run(shape, &runtime, kind, spec.repeats));
         }
     }
@@ -186,6 +193,7 @@ fn run_scale(args: BenchArgs, runtime: &RuntimeDevice, kind: &str) -> Result<(),
         mixed: args.adapters.iter().copied().max().unwrap_or(1),
         adapters: args.scale_adapters,
         slots: args.slots,
+        precision: args.precision,
     };
     let records = scale::run(&spec, runtime, kind, |configuration| {
         eprintln!("{configuration}…");

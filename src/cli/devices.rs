@@ -1,7 +1,7 @@
 //! `mmlora devices`: the adapters wgpu sees and the one mmlora would use.
 
 use burn::tensor::wgpu::wgpu;
-use mmlora::device::{self, DeviceChoice};
+use mmlora::device::{self, DeviceChoice, Precision};
 
 use super::CliError;
 
@@ -17,7 +17,17 @@ pub fn run() -> Result<(), CliError> {
         println!("adapter: {}", device::describe(&adapter.get_info()));
     }
     match device::gpu() {
-        Ok(gpu) => println!("--device gpu uses: {}", gpu.description),
+        Ok(gpu) => {
+            println!("--device gpu uses: {}", gpu.description);
+            println!(
+                "  --precision f16: {}",
+                if gpu.supports(Precision::F16) {
+                    "available"
+                } else {
+                    "unavailable (no SHADER_F16)"
+                }
+            );
+        }
         Err(error) => println!("--device gpu is unavailable: {error}"),
     }
     let auto = device::select(DeviceChoice::Auto)?;

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use mmlora::adapters::PeftAdapter;
-use mmlora::device::{self, DeviceChoice};
+use mmlora::device::{self, DeviceChoice, Precision};
 use mmlora::engine::batch::Batch;
 use mmlora::engine::{Encoded, Engine, EngineOptions, ImageSource, Request};
 
@@ -43,6 +43,9 @@ pub struct EncodeArgs {
     /// The largest adapter rank accepted.
     #[arg(long, default_value_t = EngineOptions::default().max_rank)]
     max_rank: usize,
+    /// The float type to compute in (f16: a GPU with SHADER_F16; the outputs stay f32).
+    #[arg(long, value_enum, default_value = "f32")]
+    precision: Precision,
 }
 
 /// Runs `mmlora encode`.
@@ -63,6 +66,7 @@ pub fn run(args: EncodeArgs) -> Result<(), CliError> {
         max_cpu_adapters: EngineOptions::default()
             .max_cpu_adapters
             .max(args.max_loras),
+        precision: args.precision,
         ..EngineOptions::default()
     };
     let started = Instant::now();

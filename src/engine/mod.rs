@@ -26,7 +26,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::adapters::registry::{AdapterKey, AdapterRegistry};
 use crate::adapters::{AdapterError, PeftAdapter, install};
-use crate::device::RuntimeDevice;
+use crate::device::{Precision, RuntimeDevice};
 use crate::lora::meta::{KernelMeta, MetaError, SlotTable};
 use crate::lora::ops::{LoraBatch, MAX_RANK};
 use crate::mapping::{
@@ -49,6 +49,8 @@ pub struct EngineOptions {
     pub max_cpu_adapters: usize,
     /// The most tower rows (patches) one step runs; larger calls run in more steps.
     pub max_step_rows: usize,
+    /// The float type the model computes in (f16 only on a GPU that has it).
+    pub precision: Precision,
 }
 
 impl Default for EngineOptions {
@@ -58,6 +60,7 @@ impl Default for EngineOptions {
             max_rank: 64,
             max_cpu_adapters: 32,
             max_step_rows: 16_384,
+            precision: Precision::F32,
         }
     }
 }
@@ -222,7 +225,7 @@ impl Engine {
         device: RuntimeDevice,
         options: EngineOptions,
     ) -> Result<Self, EngineError> {
-        check_options(&options)?;
+        check_options(&options, &device)?;
         let started = Instant::now();
         let preprocess =
             PreprocessConfig::from_model_dir(model_dir).map_err(EngineError::Preprocess)?;
@@ -274,14 +277,14 @@ impl Engine {
         device: RuntimeDevice,
         options: EngineOptions,
     ) -> Result<Self, EngineError> {
-        check_options(&options)?;
+        check_options(&options, &device)?;
         check_consistent(&preprocess, model.config())
             .map_err(|reason| EngineError::Options(format!("the image processor: {reason}")))?;
         if let Some(limit) = device.buffer_limit {
             model.set_buffer_limit(limit.min(model.buffer_limit()));
         }
         Ok(Self {
-            model,
+            model: model.cast(options.precision.dtype()),
             preprocess,
             device,
             registry: AdapterRegistry::new(options.max_cpu_adapters),
@@ -819,7 +822,7 @@ fn check_consistent(preprocess: &PreprocessConfig, config: &VisionConfig) -> Res
     }
 }
 
-fn check_options(options: &EngineOptions) -> Result<(), EngineError> {
+fn check_options(options: &EngineOptions, device: &RuntimeDevice) -> Result<(), EngineError> {
     let problem = if options.max_loras == 0 {
         Some("max_loras must be at least 1".to_owned())
     } else if !(1..=MAX_RANK).contains(&options.max_rank) {
@@ -831,6 +834,11 @@ fn check_options(options: &EngineOptions) -> Result<(), EngineError> {
         ))
     } else if options.max_step_rows == 0 {
         Some("max_step_rows must be at least 1".to_owned())
+    } else if !device.supports(options.precision) {
+        Some(format!(
+            "{:?} needs a GPU whose adapter has SHADER_F16; {} does not offer it",
+            options.precision, device.description
+        ))
     } else {
         None
     };

@@ -1,6 +1,6 @@
 //! A linear layer with per-row LoRA: `y = x·Wᵀ + b`, then each row's adapter delta.
 
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 
 use super::ops::{LoraBatch, LoraOpError, LoraSlice, lora_apply};
 
@@ -31,9 +31,20 @@ impl LoraLinear {
         (input, output)
     }
 
-    /// Installs the stacked adapter weights (`None`: no adapter in any slot).
+    /// The layer with its weights (and any installed adapters) in `dtype`.
+    pub fn cast(self, dtype: DType) -> Self {
+        Self {
+            weight_t: self.weight_t.cast(dtype),
+            bias: self.bias.map(|b| b.cast(dtype)),
+            lora: self.lora.map(|slice| cast_slice(slice, dtype)),
+        }
+    }
+
+    /// Installs the stacked adapter weights (`None`: no adapter in any slot), in the layer's
+    /// dtype.
     pub fn set_lora(&mut self, lora: Option<LoraSlice>) {
-        self.lora = lora;
+        let dtype = self.weight_t.dtype();
+        self.lora = lora.map(|slice| cast_slice(slice, dtype));
     }
 
     /// The layer on `x` (`[rows, in]`), each row with the adapter of its slot in `batch`.
@@ -46,5 +57,16 @@ impl LoraLinear {
             Some(slice) => lora_apply(x, y, std::slice::from_ref(slice), batch),
             None => Ok(y),
         }
+    }
+}
+
+fn cast_slice(slice: LoraSlice, dtype: DType) -> LoraSlice {
+    if slice.a.dtype() == dtype && slice.b.dtype() == dtype {
+        return slice;
+    }
+    LoraSlice {
+        a: slice.a.cast(dtype),
+        b: slice.b.cast(dtype),
+        offset: slice.offset,
     }
 }

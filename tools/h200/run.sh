@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 check, in one device call (about 6 minutes there, start-up aside):
+# The H200 check, in one device call (at most 9 minutes there, start-up aside):
 #   run(command="bash tools/h200/run.sh", carry=[".gl", ".device"], timeout_s=540)
 # after `bash tools/h200/prepare.sh` here. Logs and results land in $OUT.
 set -uo pipefail
@@ -29,10 +29,15 @@ step() { echo "== $1" >&2; shift; timeout "$@"; echo "== exit $?" >&2; }
     step "device faults" 300 /tmp/bin/device_faults
 } 2>&1 | tee "$OUT/checks.log"
 # Numbers: the shapes (8 images of 448², 1–16 adapters, ranks 16 and 64; the op at
-# 256, 4096 and 8192 rows), then the default set.
-step "bench 448" 420 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
+# 256, 4096 and 8192 rows), the same in f16, then how time and memory grow with images and
+# adapters.
+step "bench 448" 300 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
     --adapters 1,2,4,8,16 --ranks 16,64 --op-rows 256,4096,8192 --plot "$OUT/h200-448.png" \
     > "$OUT/bench-448.jsonl" 2> "$OUT/bench-448.log"
-step "bench default" 300 /tmp/bin/mmlora bench --device gpu --json \
-    > "$OUT/bench-default.jsonl" 2> "$OUT/bench-default.log"
-tail -n 40 "$OUT"/bench-*.jsonl
+step "bench 448 f16" 120 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
+    --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 \
+    > "$OUT/bench-448-f16.jsonl" 2> "$OUT/bench-448-f16.log"
+step "scale 448" 150 /tmp/bin/mmlora bench --device gpu --json --scale --side 448 \
+    --scale-images 1,4,16,64 --scale-adapters 1,16,64 \
+    > "$OUT/scale-448.jsonl" 2> "$OUT/scale-448.log"
+tail -n 60 "$OUT"/*.jsonl

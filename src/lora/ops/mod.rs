@@ -142,8 +142,8 @@ pub enum LoraOpError {
         /// The largest rank accepted.
         max: usize,
     },
-    /// A tensor is not `f32`.
-    #[error("{tensor} is {dtype:?}; the LoRA op computes in f32")]
+    /// A tensor is neither `f32` nor `f16`, or not of `x`'s type.
+    #[error("{tensor} is {dtype:?}; the LoRA op takes f32 or f16 tensors, all of x's type")]
     DType {
         /// Which tensor.
         tensor: &'static str,
@@ -207,11 +207,16 @@ fn check(
         actual: actual.to_vec(),
         expected,
     };
-    for (tensor, t) in [("x", x.dtype()), ("base", base.dtype())]
-        .into_iter()
-        .chain([("lora_a", slice.a.dtype()), ("lora_b", slice.b.dtype())])
-    {
-        if t != DType::F32 {
+    let dtype = x.dtype();
+    if !matches!(dtype, DType::F32 | DType::F16) {
+        return Err(LoraOpError::DType { tensor: "x", dtype });
+    }
+    for (tensor, t) in [
+        ("base", base.dtype()),
+        ("lora_a", slice.a.dtype()),
+        ("lora_b", slice.b.dtype()),
+    ] {
+        if t != dtype {
             return Err(LoraOpError::DType { tensor, dtype: t });
         }
     }

@@ -6,11 +6,14 @@
 //! costs its arithmetic and one pass over the output columns it touches. Rows in runs shorter
 //! than [`MIN_RUN`] (rows of many requests interleaved) are gathered per slot first, so a scattered
 //! mix costs a few larger calls instead of one tiny call per row.
+//!
+//! `f16` tensors are widened to `f32` for the op and the result rounded back once.
 
 use burn::backend::{
     Flex,
     tensor::{FloatTensor, IntTensor},
 };
+use burn::tensor::{DType, Tensor};
 use burn_flex::FlexTensor;
 use gemm::Parallelism;
 
@@ -23,6 +26,8 @@ pub const MIN_RUN: usize = 16;
 const PARALLEL_MACS: usize = 192 * 192 * 192;
 
 impl LoraBackend for Flex {
+    /// Reads the rows of each slot from the host-side metadata in `plan`, so the uploaded
+    /// `sorted_tokens` and `tiles` go unused here.
     fn lora_apply(
         x: FloatTensor<Self>,
         base: FloatTensor<Self>,
@@ -33,30 +38,53 @@ impl LoraBackend for Flex {
         plan: LoraPlan,
         out_offset: usize,
     ) -> FloatTensor<Self> {
-        let (x, a, b) = (dense(x), dense(lora_a), dense(lora_b));
-        let mut y = dense(base);
-        let [slots, rank, in_features] = dims::<3>(&a);
-        let out = dims::<3>(&b)[1];
-        let out_total = dims::<2>(&y)[1];
-        let layer = Layer {
-            x: values(&x),
-            a: values(&a),
-            b: values(&b),
-            in_features,
-            rank,
-            out,
-            out_total,
-            out_offset,
-        };
-        debug_assert_eq!(layer.a.len(), slots * rank * in_features);
-        let y_values = values_mut(&mut y);
-        let meta = &plan.0;
-        for segment in meta.lora_segments() {
-            let rows = &meta.sorted_tokens()[segment.start..segment.start + segment.len];
-            layer.apply_slot(segment.slot as usize, rows, y_values);
+        if x.dtype() != DType::F16 {
+            return apply_f32(x, base, lora_a, lora_b, &plan, out_offset);
         }
-        y
+        let y = apply_f32(
+            cast::<2>(x, DType::F32),
+            cast::<2>(base, DType::F32),
+            cast::<3>(lora_a, DType::F32),
+            cast::<3>(lora_b, DType::F32),
+            &plan,
+            out_offset,
+        );
+        cast::<2>(y, DType::F16)
     }
+}
+
+/// The op on f32 tensors.
+fn apply_f32(
+    x: FlexTensor,
+    base: FlexTensor,
+    lora_a: FlexTensor,
+    lora_b: FlexTensor,
+    plan: &LoraPlan,
+    out_offset: usize,
+) -> FlexTensor {
+    let (x, a, b) = (dense(x), dense(lora_a), dense(lora_b));
+    let mut y = dense(base);
+    let [slots, rank, in_features] = dims::<3>(&a);
+    let out = dims::<3>(&b)[1];
+    let out_total = dims::<2>(&y)[1];
+    let layer = Layer {
+        x: values(&x),
+        a: values(&a),
+        b: values(&b),
+        in_features,
+        rank,
+        out,
+        out_total,
+        out_offset,
+    };
+    debug_assert_eq!(layer.a.len(), slots * rank * in_features);
+    let y_values = values_mut(&mut y);
+    let meta = &plan.0;
+    for segment in meta.lora_segments() {
+        let rows = &meta.sorted_tokens()[segment.start..segment.start + segment.len];
+        layer.apply_slot(segment.slot as usize, rows, y_values);
+    }
+    y
 }
 
 /// One slice of one layer, as flat row-major `f32` values.
@@ -227,6 +255,13 @@ fn dense(tensor: FlexTensor) -> FlexTensor {
     }
 }
 
+fn cast<const D: usize>(tensor: FlexTensor, dtype: DType) -> FlexTensor {
+    Tensor::<D>::from_primitive::<Flex>(tensor)
+        .cast(dtype)
+        .try_into_primitive::<Flex>()
+        .expect("a Flex tensor stays on Flex")
+}
+
 fn dims<const D: usize>(tensor: &FlexTensor) -> [usize; D] {
     tensor.layout().shape().dims::<D>()
 }
@@ -245,7 +280,7 @@ fn values_mut(tensor: &mut FlexTensor) -> &mut [f32] {
 #[cfg(test)]
 mod tests {
     use super::super::lora_apply;
-    use super::super::testing::{Problem, assert_matches, problems, reference};
+    use super::super::testing::{Problem, assert_matches, check_f16, problems, reference};
     use super::{MIN_RUN, runs};
     use crate::device;
     use burn::tensor::Tensor;
@@ -266,6 +301,14 @@ mod tests {
         #[test]
         fn native_matches_float64(problem in problems()) {
             check(&problem);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 8, max_shrink_iters: 0, ..ProptestConfig::default() })]
+        #[test]
+        fn native_f16_matches_float64(problem in problems()) {
+            check_f16(&problem, &device::cpu());
         }
     }
 

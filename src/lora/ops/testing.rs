@@ -1,6 +1,6 @@
 //! Random LoRA problems and their float64 reference, shared by the op's tests.
 
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::{DType, Distribution, Tensor};
 use proptest::prelude::*;
 
 use super::{LoraBatch, LoraSlice, lora_apply};
@@ -12,6 +12,9 @@ pub const WIDTHS: [usize; 6] = [64, 96, 1176, 1280, 3840, 5120];
 
 /// Unit roundoff of f32.
 const U: f64 = f32::EPSILON as f64 / 2.0;
+
+/// Unit roundoff of f16 (11 significant bits).
+const U16: f64 = 1.0 / 2048.0;
 
 /// The shape of one LoRA problem.
 #[derive(Debug, Clone)]
@@ -46,6 +49,23 @@ impl ProblemData {
                 .map(|s| LoraSlice {
                     a: s.a.clone().to_device(&device.device),
                     b: s.b.clone().to_device(&device.device),
+                    offset: s.offset,
+                })
+                .collect(),
+        }
+    }
+
+    /// The same tensors cast to `dtype`.
+    pub fn cast(&self, dtype: DType) -> Self {
+        Self {
+            x: self.x.clone().cast(dtype),
+            base: self.base.clone().cast(dtype),
+            slices: self
+                .slices
+                .iter()
+                .map(|s| LoraSlice {
+                    a: s.a.clone().cast(dtype),
+                    b: s.b.clone().cast(dtype),
                     offset: s.offset,
                 })
                 .collect(),
@@ -180,6 +200,23 @@ pub fn reference(problem: &Problem, data: &ProblemData) -> Reference {
         *b += U * y.abs();
     }
     Reference { y, bound }
+}
+
+/// The op on `device` with every tensor in f16, against float64 on the same (f16) values: the
+/// kernels sum in f32 and round each output to f16 once, so the bound is the f32 one with f16's
+/// unit roundoff for the final rounding.
+pub fn check_f16(problem: &Problem, device: &RuntimeDevice) {
+    let cpu = crate::device::cpu();
+    let data = problem.data(&cpu).cast(DType::F16).cast(DType::F32);
+    let mut expected = reference(problem, &data);
+    for (bound, y) in expected.bound.iter_mut().zip(&expected.y) {
+        *bound += (U16 - U) * y.abs();
+    }
+    let y = data
+        .cast(DType::F16)
+        .apply(problem, device)
+        .cast(DType::F32);
+    assert_matches(problem, &data, &expected, &y, 1.0);
 }
 
 /// Asserts `actual` is within `factor × bound` of the reference everywhere, and equals `base`

@@ -4,9 +4,12 @@
 //! `[rows, rank]` scratch tensor; expand adds `scratch · B[slot]ᵀ` into the output's slice
 //! columns. Both walk the [tiles](crate::lora::meta::KernelMeta::tiles) of the slot-sorted rows,
 //! so a workgroup always serves one slot and the cost stays flat as adapters mix.
+//!
+//! Each kernel exists for `f32` and `f16` tensors ([`Elem`]); sums and the scratch stay `f32`.
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::wgpu::{CubeBackend, CubeTensor, KernelSource, SourceKernel, SourceTemplate};
+use burn::tensor::DType;
 use burn_cubecl::cubecl::prelude::KernelId;
 use burn_cubecl::cubecl::server::{KernelArguments, MetadataBindingInfo};
 use burn_cubecl::cubecl::{CubeCount, CubeDim};
@@ -52,14 +55,53 @@ impl LoraShader {
         }
     }
 
-    /// The WGSL source specialised for `rank_tile` (see [`rank_tile`]).
-    pub fn render(self, rank_tile: u32) -> String {
+    /// The WGSL source specialised for `rank_tile` (see [`rank_tile`]) and `elem`.
+    pub fn render(self, rank_tile: u32, elem: Elem) -> String {
         LoraKernel {
             shader: self,
             rank_tile,
+            elem,
         }
         .source()
         .complete()
+    }
+}
+
+/// The element type of the op's tensors (the scratch and every sum are `f32` in both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Elem {
+    /// `f32`.
+    F32,
+    /// `f16`: needs the device's `SHADER_F16`.
+    F16,
+}
+
+impl Elem {
+    /// Both element types.
+    pub const ALL: [Elem; 2] = [Elem::F32, Elem::F16];
+
+    /// The element type of a tensor of `dtype` (the op accepts no other).
+    fn of(dtype: DType) -> Self {
+        match dtype {
+            DType::F16 => Elem::F16,
+            _ => Elem::F32,
+        }
+    }
+
+    /// The WGSL type name.
+    fn wgsl(self) -> &'static str {
+        match self {
+            Elem::F32 => "f32",
+            Elem::F16 => "f16",
+        }
+    }
+
+    /// The directive the type needs at the top of a module.
+    fn enable(self) -> &'static str {
+        match self {
+            Elem::F32 => "",
+            Elem::F16 => "enable f16;",
+        }
     }
 }
 
@@ -74,11 +116,12 @@ pub fn rank_tiles() -> impl Iterator<Item = u32> {
     [4, 8, 16, 32].into_iter()
 }
 
-/// A shader specialised for one rank block.
+/// A shader specialised for one rank block and element type.
 #[derive(Debug, Clone, Copy)]
 struct LoraKernel {
     shader: LoraShader,
     rank_tile: u32,
+    elem: Elem,
 }
 
 impl KernelSource for LoraKernel {
@@ -87,10 +130,12 @@ impl KernelSource for LoraKernel {
             .register("workgroup", WORKGROUP.to_string())
             .register("tile_rows", TILE_ROWS.to_string())
             .register("rank_tile", self.rank_tile.to_string())
+            .register("elem", self.elem.wgsl())
+            .register("enable", self.elem.enable())
     }
 
     fn id(&self) -> KernelId {
-        KernelId::new::<Self>().info((self.shader, self.rank_tile))
+        KernelId::new::<Self>().info((self.shader, self.rank_tile, self.elem))
     }
 
     fn lang(&self) -> &'static str {
@@ -155,16 +200,21 @@ impl LoraBackend for CubeBackend {
         let [_, out_features, rank] = [b.meta.shape()[0], b.meta.shape()[1], b.meta.shape()[2]];
         let n_tiles = plan.0.tiles(TILE_ROWS).count();
         let rank_tile = rank_tile(rank);
+        let elem = Elem::of(x.dtype);
 
         let shrunk = empty_device_contiguous_dtype(
             x.client.clone(),
             x.device.clone(),
             [rows, rank].into(),
-            x.dtype,
+            DType::F32,
         );
         for tile_base in (0..n_tiles).step_by(MAX_WORKGROUPS_PER_DIM) {
             let tiles_here = (n_tiles - tile_base).min(MAX_WORKGROUPS_PER_DIM) as u32;
-            let kernel = |shader| LoraKernel { shader, rank_tile };
+            let kernel = |shader| LoraKernel {
+                shader,
+                rank_tile,
+                elem,
+            };
             launch(
                 kernel(LoraShader::Shrink),
                 (tiles_here, (rank as u32).div_ceil(rank_tile)),
@@ -190,7 +240,9 @@ impl LoraBackend for CubeBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{Problem, Reference, assert_matches, problems, reference, to_f64};
+    use super::super::testing::{
+        Problem, Reference, assert_matches, check_f16, problems, reference, to_f64,
+    };
     use super::super::{LoraSlice, lora_apply};
     use super::*;
     use crate::device;
@@ -223,6 +275,16 @@ mod tests {
         #[test]
         fn wgsl_matches_native_on_random_problems(problem in problems()) {
             check(&problem);
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 12, max_shrink_iters: 0, ..ProptestConfig::default() })]
+        #[test]
+        fn wgsl_f16_matches_float64(problem in problems()) {
+            if let Some(gpu) = device::gpu_for_tests() {
+                check_f16(&problem, &gpu);
+            }
         }
     }
 
@@ -295,9 +357,9 @@ mod tests {
             );
         }
         for shader in LoraShader::ALL {
-            for rank_tile in rank_tiles() {
-                let source = shader.render(rank_tile);
-                let what = format!("{} (rank tile {rank_tile})", shader.file_name());
+            for (rank_tile, elem) in rank_tiles().flat_map(|t| Elem::ALL.map(|e| (t, e))) {
+                let source = shader.render(rank_tile, elem);
+                let what = format!("{} (rank tile {rank_tile}, {elem:?})", shader.file_name());
                 let module = naga::front::wgsl::parse_str(&source)
                     .unwrap_or_else(|e| panic!("{what}: {}", e.emit_to_string(&source)));
                 let info = Validator::new(ValidationFlags::all(), Capabilities::all())

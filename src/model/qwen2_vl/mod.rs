@@ -8,7 +8,7 @@ mod rotary;
 use std::path::Path;
 
 use burn::tensor::activation::{gelu, sigmoid, softmax};
-use burn::tensor::{Device, Distribution, Tensor, TensorData};
+use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
 
 use crate::lora::linear::LoraLinear;
 use crate::lora::ops::{LoraBatch, LoraOpError};
@@ -47,12 +47,23 @@ struct LayerNorm {
 }
 
 impl LayerNorm {
+    /// Normalises each row in f32 (as PyTorch's autocast does: an f16 variance overflows), the
+    /// result in `x`'s dtype.
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let dtype = x.dtype();
+        let x = x.cast(DType::F32);
         let mean = x.clone().mean_dim(1);
         let centered = x - mean;
         let var = centered.clone().square().mean_dim(1);
-        centered / (var + LAYER_NORM_EPS).sqrt() * self.weight.clone().unsqueeze()
-            + self.bias.clone().unsqueeze()
+        let normed = centered / (var + LAYER_NORM_EPS).sqrt();
+        normed.cast(dtype) * self.weight.clone().unsqueeze() + self.bias.clone().unsqueeze()
+    }
+
+    fn cast(self, dtype: DType) -> Self {
+        Self {
+            weight: self.weight.cast(dtype),
+            bias: self.bias.cast(dtype),
+        }
     }
 }
 
@@ -95,6 +106,8 @@ pub struct Qwen2VlVision {
     device: Device,
     /// The largest buffer one operation may make, in bytes.
     buffer_limit: u64,
+    /// The dtype the weights and activations are in (f32, or f16 on a GPU that has it).
+    dtype: DType,
 }
 
 impl Qwen2VlVision {
@@ -187,7 +200,42 @@ impl Qwen2VlVision {
             merger,
             device: device.clone(),
             buffer_limit: DEFAULT_BUFFER_LIMIT,
+            dtype: DType::F32,
         })
+    }
+
+    /// The model computing in `dtype` (`F32` or `F16`): weights cast once; norms and softmax
+    /// still run in f32, and the outputs come back as f32.
+    pub fn cast(self, dtype: DType) -> Self {
+        let blocks = self
+            .blocks
+            .into_iter()
+            .map(|b| Block {
+                norm1: b.norm1.cast(dtype),
+                norm2: b.norm2.cast(dtype),
+                qkv: b.qkv.cast(dtype),
+                proj: b.proj.cast(dtype),
+                fc1: b.fc1.cast(dtype),
+                fc2: b.fc2.cast(dtype),
+            })
+            .collect();
+        let merger = Merger {
+            ln_q: self.merger.ln_q.cast(dtype),
+            mlp0: self.merger.mlp0.cast(dtype),
+            mlp2: self.merger.mlp2.cast(dtype),
+        };
+        Self {
+            patch_embed_t: self.patch_embed_t.cast(dtype),
+            blocks,
+            merger,
+            dtype,
+            ..self
+        }
+    }
+
+    /// The dtype the model computes in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// The model's shape.
@@ -283,13 +331,16 @@ impl Qwen2VlVision {
             )));
         }
         let (cos, sin) = rotary::cos_sin(grids, &self.config, &self.device);
+        let (cos, sin) = (cos.cast(self.dtype), sin.cast(self.dtype));
         // Each frame of each image attends only to itself.
         let segments: Vec<usize> = grids
             .iter()
             .flat_map(|&[t, h, w]| std::iter::repeat_n(h * w, t))
             .collect();
 
-        let mut x = pixel_values.matmul(self.patch_embed_t.clone());
+        let mut x = pixel_values
+            .cast(self.dtype)
+            .matmul(self.patch_embed_t.clone());
         for block in &self.blocks {
             let attended = self.attention(
                 block,
@@ -311,7 +362,10 @@ impl Qwen2VlVision {
             .reshape([rows / (m * m), self.config.embed_dim * m * m]);
         let hidden = gelu(self.merger.mlp0.forward(merged, connector)?);
         let embeds = self.merger.mlp2.forward(hidden, connector)?;
-        Ok(VisionOutput { tower: x, embeds })
+        Ok(VisionOutput {
+            tower: x.cast(DType::F32),
+            embeds: embeds.cast(DType::F32),
+        })
     }
 
     fn attention(
@@ -356,7 +410,9 @@ impl Qwen2VlVision {
                     .clone()
                     .slice(start + first..start + first + queries)
                     .swap_dims(0, 1); // [heads, queries, hd]
-                let weights = softmax(q_s.matmul(k_t.clone()) * scale, 2);
+                // Softmax in f32, as PyTorch's autocast runs it.
+                let scores = q_s.matmul(k_t.clone()).cast(DType::F32) * scale;
+                let weights = softmax(scores, 2).cast(self.dtype);
                 outputs.push(
                     weights
                         .matmul(v_s.clone())
