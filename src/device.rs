@@ -29,6 +29,14 @@ pub enum Precision {
 }
 
 impl Precision {
+    /// The name the command line and the bench records use: `f32` or `f16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::F16 => "f16",
+        }
+    }
+
     /// The tensor dtype.
     pub fn dtype(self) -> DType {
         match self {

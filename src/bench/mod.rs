@@ -180,7 +180,7 @@ pub fn run(
             side: spec.side,
             adapters,
             rank,
-            precision: precision_name(spec.precision).to_owned(),
+            precision: spec.precision.name().to_owned(),
             median_ms,
             img_per_s: spec.images as f64 / (median_ms / 1e3),
             ratio_vs_base: medians[0] / median_ms,
@@ -223,14 +223,6 @@ fn random_images(
             adapter: None,
         })
         .collect())
-}
-
-/// `f32` or `f16`.
-fn precision_name(precision: Precision) -> &'static str {
-    match precision {
-        Precision::F32 => "f32",
-        Precision::F16 => "f16",
-    }
 }
 
 /// An engine around `model` in `precision` with `slots` GPU slots and `loaded` random adapters

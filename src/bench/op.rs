@@ -222,7 +222,7 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, kind: &str, repeats: usize) -> Op
         out_features: shape.out_features,
         rank: shape.rank,
         adapters: shape.adapters,
-        precision: super::precision_name(shape.precision).to_owned(),
+        precision: shape.precision.name().to_owned(),
         base_ms,
         lora_ms,
         naive_ms,

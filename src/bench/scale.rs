@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::{Preset, engine_with_adapters, median, mixed_batch, precision_name, random_images};
+use super::{Preset, engine_with_adapters, median, mixed_batch, random_images};
 use crate::device::{Precision, RuntimeDevice};
 use crate::engine::EngineError;
 use crate::model::qwen2_vl::Qwen2VlVision;
@@ -171,7 +171,7 @@ pub fn run(
             rank,
             slots,
             steps,
-            precision: precision_name(spec.precision).to_owned(),
+            precision: spec.precision.name().to_owned(),
             median_ms,
             ms_per_image: median_ms / images as f64,
             img_per_s: images as f64 / (median_ms / 1e3),

@@ -836,8 +836,9 @@ fn check_options(options: &EngineOptions, device: &RuntimeDevice) -> Result<(), 
         Some("max_step_rows must be at least 1".to_owned())
     } else if !device.supports(options.precision) {
         Some(format!(
-            "{:?} needs a GPU whose adapter has SHADER_F16; {} does not offer it",
-            options.precision, device.description
+            "{} needs a GPU whose adapter has SHADER_F16; {} does not offer it",
+            options.precision.name(),
+            device.description
         ))
     } else {
         None
