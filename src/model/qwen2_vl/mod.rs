@@ -233,11 +233,6 @@ impl Qwen2VlVision {
         }
     }
 
-    /// The dtype the model computes in.
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
     /// The model's shape.
     pub fn config(&self) -> &VisionConfig {
         &self.config
