@@ -12,6 +12,11 @@ use cli::encode::EncodeArgs;
 use cli::inspect::InspectArgs;
 use cli::preprocess::PreprocessArgs;
 
+/// The CPU backend allocates each op's output afresh; mimalloc hands freed buffers back out
+/// instead of returning them to the system after every op (see BENCHMARKS.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "mmlora",
