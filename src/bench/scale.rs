@@ -1,10 +1,11 @@
 //! How time and memory grow with the batch (`mmlora bench --scale`): images per batch at the
 //! base and with adapters mixed, then adapters loaded beyond the GPU slots.
 //!
-//! Configurations run one after another (not in turns), each on a fresh engine, so the peak
-//! memory read after one belongs to it: the process's peak resident set (reset before each
-//! configuration through `/proc/self/clear_refs` on Linux) and what the device's allocator holds
-//! when it ends (GPU only; its pools only grow during a configuration).
+//! Each configuration gets a fresh engine, set up and warmed on its own, and its memory is read
+//! over that set-up and warm-up call: the process's peak resident set (reset first through
+//! `/proc/self/clear_refs` on Linux) and what the device's allocator then holds (GPU only). The
+//! timed calls of an image count's base and mixed configurations then take turns, so their
+//! ratio is not skewed by the machine's speed drifting between them.
 
 use std::time::Instant;
 
@@ -12,7 +13,7 @@ use serde::Serialize;
 
 use super::{Preset, engine_with_adapters, median, mixed_batch, random_images};
 use crate::device::{Precision, RuntimeDevice};
-use crate::engine::EngineError;
+use crate::engine::{Engine, EngineError, Request};
 use crate::model::qwen2_vl::Qwen2VlVision;
 use crate::preprocess::PreprocessConfig;
 
@@ -126,64 +127,175 @@ pub fn run(
         &config,
         &PreprocessConfig::default(),
     )?;
+    let sweep = Sweep {
+        spec,
+        device,
+        device_kind,
+        model: &model,
+        requests: &requests,
+    };
 
-    let mut configurations = Vec::new();
+    let mut records = Vec::new();
     for &images in &spec.images {
-        configurations.push(("images", images, 0, 1));
         let mixed = spec.mixed.min(images);
-        configurations.push(("images", images, mixed, mixed));
+        let pair = [
+            Configuration::new("images", images, 0, 1),
+            Configuration::new("images", images, mixed, mixed),
+        ];
+        records.extend(sweep.in_turns(&pair, &mut progress)?);
     }
     for &adapters in &spec.adapters {
-        configurations.push(("adapters", spec.adapter_images, adapters, spec.slots));
+        let one = Configuration::new("adapters", spec.adapter_images, adapters, spec.slots);
+        records.extend(sweep.in_turns(&[one], &mut progress)?);
+    }
+    Ok(records)
+}
+
+/// What every configuration of one sweep shares.
+struct Sweep<'a> {
+    spec: &'a ScaleSpec,
+    device: &'a RuntimeDevice,
+    device_kind: &'a str,
+    model: &'a Qwen2VlVision,
+    requests: &'a [Request],
+}
+
+/// One point of a sweep.
+struct Configuration {
+    sweep: &'static str,
+    images: usize,
+    /// Adapters loaded, request `i` on adapter `i % adapters` (0: the base model).
+    adapters: usize,
+    slots: usize,
+}
+
+impl Configuration {
+    fn new(sweep: &'static str, images: usize, adapters: usize, slots: usize) -> Self {
+        Self {
+            sweep,
+            images,
+            adapters,
+            slots,
+        }
+    }
+}
+
+/// A configuration's engine after its warm-up call, with what that call used.
+struct Warm {
+    engine: Engine,
+    batch: Vec<Request>,
+    steps: usize,
+    peak_rss_mib: Option<f64>,
+    device_reserved_mib: Option<f64>,
+}
+
+impl Sweep<'_> {
+    /// Sets up and warms each of `configurations` in order, reading its memory, then times them
+    /// in turns (one call of each per round), so a drift of the machine's speed shows in all of
+    /// them alike and their ratios hold.
+    ///
+    /// The engines of earlier configurations stay alive while later ones warm up: put the one
+    /// that holds least (the base model) first.
+    fn in_turns(
+        &self,
+        configurations: &[Configuration],
+        progress: &mut impl FnMut(&str),
+    ) -> Result<Vec<ScaleRecord>, EngineError> {
+        let mut warm = Vec::with_capacity(configurations.len());
+        for configuration in configurations {
+            warm.push(self.warm_up(configuration, progress)?);
+        }
+        let mut times = vec![Vec::with_capacity(self.spec.repeats); configurations.len()];
+        for _ in 0..self.spec.repeats.max(1) {
+            for (warm, times) in warm.iter_mut().zip(&mut times) {
+                let started = Instant::now();
+                warm.engine.encode(&warm.batch, false)?;
+                times.push(started.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        Ok(configurations
+            .iter()
+            .zip(warm)
+            .zip(&mut times)
+            .map(|((configuration, warm), times)| self.record(configuration, &warm, median(times)))
+            .collect())
     }
 
-    let mut records = Vec::with_capacity(configurations.len());
-    for (sweep, images, adapters, slots) in configurations {
-        let distinct = adapters.min(images);
-        progress(&format!(
-            "{images} images, {distinct} of {adapters} adapters over {slots} slots"
-        ));
-        device.device.memory_cleanup();
-        let rss_reset = reset_peak_rss();
-        let rank = if adapters == 0 { 0 } else { spec.rank };
-        let mut engine =
-            engine_with_adapters(&model, device, spec.precision, slots, adapters, rank)?;
-        let batch = mixed_batch(&requests[..images], adapters, rank);
-        let encoded = engine.encode(&batch, false)?; // warm-up
-        let steps = encoded.iter().map(|e| e.step + 1).max().unwrap_or(0);
-        let mut times = Vec::with_capacity(spec.repeats);
-        for _ in 0..spec.repeats.max(1) {
-            let started = Instant::now();
-            engine.encode(&batch, false)?;
-            times.push(started.elapsed().as_secs_f64() * 1e3);
-        }
-        let median_ms = median(&mut times);
-        records.push(ScaleRecord {
-            kind: "scale",
-            sweep,
-            device: device_kind.to_owned(),
-            adapter_name: device.description.clone(),
-            preset: spec.preset.name().to_owned(),
-            side: spec.side,
+    /// A fresh engine for `configuration` after one call, with the process's peak resident set
+    /// over its set-up and that call, and what the device's allocator then holds.
+    fn warm_up(
+        &self,
+        configuration: &Configuration,
+        progress: &mut impl FnMut(&str),
+    ) -> Result<Warm, EngineError> {
+        let Configuration {
             images,
-            loaded: adapters,
-            adapters: distinct,
-            rank,
+            adapters,
             slots,
-            steps,
-            precision: spec.precision.name().to_owned(),
+            ..
+        } = *configuration;
+        progress(&format!(
+            "{images} images, {} of {adapters} adapters over {slots} slots",
+            adapters.min(images)
+        ));
+        self.device.device.memory_cleanup();
+        let rss_reset = reset_peak_rss();
+        let rank = self.rank(configuration);
+        let mut engine = engine_with_adapters(
+            self.model,
+            self.device,
+            self.spec.precision,
+            slots,
+            adapters,
+            rank,
+        )?;
+        let batch = mixed_batch(&self.requests[..images], adapters, rank);
+        let encoded = engine.encode(&batch, false)?;
+        Ok(Warm {
+            engine,
+            batch,
+            steps: encoded.iter().map(|e| e.step + 1).max().unwrap_or(0),
+            peak_rss_mib: rss_reset.then(peak_rss_bytes).flatten().map(mib),
+            device_reserved_mib: self
+                .device
+                .wgpu
+                .as_ref()
+                .and_then(|_| self.device.device.memory_pool_usage())
+                .map(|usage| mib(usage.bytes_reserved)),
+        })
+    }
+
+    fn rank(&self, configuration: &Configuration) -> usize {
+        if configuration.adapters == 0 {
+            0
+        } else {
+            self.spec.rank
+        }
+    }
+
+    fn record(&self, configuration: &Configuration, warm: &Warm, median_ms: f64) -> ScaleRecord {
+        let images = configuration.images;
+        ScaleRecord {
+            kind: "scale",
+            sweep: configuration.sweep,
+            device: self.device_kind.to_owned(),
+            adapter_name: self.device.description.clone(),
+            preset: self.spec.preset.name().to_owned(),
+            side: self.spec.side,
+            images,
+            loaded: configuration.adapters,
+            adapters: configuration.adapters.min(images),
+            rank: self.rank(configuration),
+            slots: configuration.slots,
+            steps: warm.steps,
+            precision: self.spec.precision.name().to_owned(),
             median_ms,
             ms_per_image: median_ms / images as f64,
             img_per_s: images as f64 / (median_ms / 1e3),
-            peak_rss_mib: rss_reset.then(peak_rss_bytes).flatten().map(mib),
-            device_reserved_mib: device
-                .wgpu
-                .as_ref()
-                .and_then(|_| device.device.memory_pool_usage())
-                .map(|usage| mib(usage.bytes_reserved)),
-        });
+            peak_rss_mib: warm.peak_rss_mib,
+            device_reserved_mib: warm.device_reserved_mib,
+        }
     }
-    Ok(records)
 }
 
 fn mib(bytes: u64) -> f64 {
