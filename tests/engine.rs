@@ -89,7 +89,7 @@ fn f16_on_the_gpu_stays_close_to_peft_in_f32() {
             worst_rel = worst_rel.max(rel);
             // Tolerance: rel. Frobenius 4e-3 — f16 keeps 11 bits (unit roundoff 4.9e-4), and
             // weights, activations and each matmul's output are rounded to it through two
-            // blocks and the merger; measured 1.35e-3 at worst on lavapipe.
+            // blocks and the merger; measured 1.44e-3 at worst on lavapipe.
             assert!(
                 rel <= 4e-3,
                 "{} ({:?}) {name} in f16: rel {rel:e}",

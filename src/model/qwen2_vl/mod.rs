@@ -8,6 +8,7 @@ mod rotary;
 use std::path::Path;
 
 use burn::tensor::activation::{gelu, sigmoid, softmax};
+use burn::tensor::module::layer_norm;
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
 
 use crate::lora::linear::LoraLinear;
@@ -39,7 +40,7 @@ pub enum ModelError {
     Input(String),
 }
 
-/// A layer norm's affine parameters.
+/// A layer norm's affine parameters, kept in f32 whatever the model computes in.
 #[derive(Debug, Clone)]
 struct LayerNorm {
     weight: Tensor<1>,
@@ -47,23 +48,18 @@ struct LayerNorm {
 }
 
 impl LayerNorm {
-    /// Normalises each row in f32 (as PyTorch's autocast does: an f16 variance overflows), the
-    /// result in `x`'s dtype.
+    /// Normalises each row in f32, the affine parameters applied in f32 too (as PyTorch's
+    /// autocast runs layer_norm: an f16 variance overflows), the result in `x`'s dtype. Burn's
+    /// `layer_norm` is one fused pass on the CPU backend.
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         let dtype = x.dtype();
-        let x = x.cast(DType::F32);
-        let mean = x.clone().mean_dim(1);
-        let centered = x - mean;
-        let var = centered.clone().square().mean_dim(1);
-        let normed = centered / (var + LAYER_NORM_EPS).sqrt();
-        normed.cast(dtype) * self.weight.clone().unsqueeze() + self.bias.clone().unsqueeze()
-    }
-
-    fn cast(self, dtype: DType) -> Self {
-        Self {
-            weight: self.weight.cast(dtype),
-            bias: self.bias.cast(dtype),
-        }
+        let normed = layer_norm(
+            x.cast(DType::F32),
+            self.weight.clone(),
+            Some(self.bias.clone()),
+            LAYER_NORM_EPS,
+        );
+        normed.cast(dtype)
     }
 }
 
@@ -211,8 +207,8 @@ impl Qwen2VlVision {
             .blocks
             .into_iter()
             .map(|b| Block {
-                norm1: b.norm1.cast(dtype),
-                norm2: b.norm2.cast(dtype),
+                norm1: b.norm1,
+                norm2: b.norm2,
                 qkv: b.qkv.cast(dtype),
                 proj: b.proj.cast(dtype),
                 fc1: b.fc1.cast(dtype),
@@ -220,7 +216,7 @@ impl Qwen2VlVision {
             })
             .collect();
         let merger = Merger {
-            ln_q: self.merger.ln_q.cast(dtype),
+            ln_q: self.merger.ln_q,
             mlp0: self.merger.mlp0.cast(dtype),
             mlp2: self.merger.mlp2.cast(dtype),
         };
