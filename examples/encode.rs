@@ -8,6 +8,10 @@ use std::path::PathBuf;
 use mmlora::device::{self, DeviceChoice};
 use mmlora::engine::{Engine, EngineOptions, ImageSource, Request};
 
+/// On the CPU backend a caching allocator matters: see the README's "Choices".
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-qwen2-vl");
     let mut engine = Engine::open(

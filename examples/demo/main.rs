@@ -16,6 +16,10 @@ use clap::Parser;
 use eframe::egui_wgpu::{WgpuConfiguration, WgpuSetup, WgpuSetupExisting};
 use mmlora::device;
 
+/// The window can switch the compute to the CPU backend, where a caching allocator matters.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(about = "mmlora desktop demo")]
 struct Args {
