@@ -200,25 +200,24 @@ impl Qwen2VlVision {
         })
     }
 
-    /// The model computing in `dtype` (`F32` or `F16`): weights cast once; norms and softmax
-    /// still run in f32, and the outputs come back as f32.
+    /// The model computing in `dtype` (`F32` or `F16`): the linears' weights cast once; norms
+    /// (their parameters stay f32) and softmax still run in f32, and the outputs come back as f32.
     pub fn cast(self, dtype: DType) -> Self {
         let blocks = self
             .blocks
             .into_iter()
             .map(|b| Block {
-                norm1: b.norm1,
-                norm2: b.norm2,
                 qkv: b.qkv.cast(dtype),
                 proj: b.proj.cast(dtype),
                 fc1: b.fc1.cast(dtype),
                 fc2: b.fc2.cast(dtype),
+                ..b
             })
             .collect();
         let merger = Merger {
-            ln_q: self.merger.ln_q,
             mlp0: self.merger.mlp0.cast(dtype),
             mlp2: self.merger.mlp2.cast(dtype),
+            ..self.merger
         };
         Self {
             patch_embed_t: self.patch_embed_t.cast(dtype),
