@@ -1,4 +1,5 @@
 //! Vision towers and connectors as Burn modules on the runtime device.
 
+pub mod activation;
 pub mod checkpoint;
 pub mod qwen2_vl;

@@ -7,12 +7,13 @@ mod rotary;
 
 use std::path::Path;
 
-use burn::tensor::activation::{gelu, sigmoid, softmax};
+use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::module::layer_norm;
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
 
 use crate::lora::linear::LoraLinear;
 use crate::lora::ops::{LoraBatch, LoraOpError};
+use crate::model::activation::quick_gelu;
 use crate::model::checkpoint::{Checkpoint, CheckpointError};
 pub use config::{ConfigError, LoraTarget, VisionConfig};
 
@@ -342,8 +343,7 @@ impl Qwen2VlVision {
             )?;
             x = x + attended;
             let hidden = block.fc1.forward(block.norm2.forward(x.clone()), tower)?;
-            let hidden = hidden.clone() * sigmoid(hidden * 1.702); // QuickGELU
-            x = x + block.fc2.forward(hidden, tower)?;
+            x = x + block.fc2.forward(quick_gelu(hidden), tower)?;
         }
         let merged = self
             .merger
