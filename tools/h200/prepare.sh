@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # Builds, here, everything the H200 check runs and packs it into .device/ (git-ignored), to be
-# carried with `.gl` (the Vulkan loader, see the device tool's README) and run there with
+# carried with `.gl` (the Vulkan loader, fetched here too) and run there with
 # `bash tools/h200/run.sh`. The device has no Rust toolchain; binaries are stripped and
 # xz-compressed to stay under the 64 MiB the working tree may carry.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+
+# The Vulkan loader the device lacks (the device tool's README), fetched once.
+if ! compgen -G ".gl/*.deb" > /dev/null; then
+    mkdir -p .gl /tmp/amd64/partial
+    apt_opts=(-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64)
+    apt-get "${apt_opts[@]}" update -qq
+    (cd .gl && apt-get "${apt_opts[@]}" download libvulkan1)
+fi
 
 cargo build --release
 # name=path of each test binary the check runs (the library's unit tests hold the op tests).
