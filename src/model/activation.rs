@@ -11,9 +11,10 @@ use burn::backend::{
     Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor, wgpu::CubeBackend,
 };
 use burn::tensor::{DType, Tensor};
-use burn_flex::FlexTensor;
 use rayon::prelude::*;
 use wide::f32x8;
+
+use crate::lora::ops::native::dense;
 
 /// QuickGELU's slope: `x · sigmoid(1.702 · x)` approximates GELU.
 pub const QUICK_GELU_SLOPE: f32 = 1.702;
@@ -58,15 +59,6 @@ impl ActivationBackend for Flex {
             .par_chunks_mut(CHUNK)
             .for_each(quick_gelu_in_place);
         y
-    }
-}
-
-/// `x` laid out densely from its first stored value (a copy only when it is a strided view).
-fn dense(x: FlexTensor) -> FlexTensor {
-    if x.layout().contiguous_offsets().map(|(start, _)| start) == Some(0) {
-        x
-    } else {
-        x.to_contiguous()
     }
 }
 

@@ -246,8 +246,9 @@ fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
     }
 }
 
-/// `tensor` laid out densely, row-major from its first element, as the `gemm` calls read it.
-fn dense(tensor: FlexTensor) -> FlexTensor {
+/// `tensor` laid out densely, row-major from its first element, as the `gemm` calls read it (a
+/// copy only when it is a strided view or starts past its storage's first value).
+pub(crate) fn dense(tensor: FlexTensor) -> FlexTensor {
     if tensor.layout().contiguous_offsets().map(|(start, _)| start) == Some(0) {
         tensor
     } else {
