@@ -162,9 +162,11 @@ fn batches(bounded: usize) -> usize {
 
 #[test]
 fn every_request_in_a_random_batch_equals_itself_alone_on_cpu() {
-    // Tolerance: rel. Frobenius 1e-6 (same kernels, same rows; only what other rows share a
-    // step with changes).
-    soak(&device::cpu(), batches(400), 1e-6, 1);
+    // Tolerance: rel. Frobenius 2e-6. Same kernels and rows; what other rows share a step with
+    // changes the row counts of the matmul and LoRA-op calls, so their blocking and summation
+    // splits. Measured over these 400 batches: worst 9.2e-7 with QuickGELU from Burn's ops,
+    // 1.02e-6 with our 8-lane pass (7af8157), about 8.5 f32 ε; 2e-6 leaves twice that.
+    soak(&device::cpu(), batches(400), 2e-6, 1);
 }
 
 #[test]
