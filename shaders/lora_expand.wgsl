@@ -5,6 +5,9 @@
 // output is never written and keeps the base value bit-for-bit. The tile's shrunk rows are staged
 // through workgroup memory RANK_TILE ranks at a time; B is read straight from storage.
 //
+// This is the kernel for any widths; `lora_expand_vec4.wgsl` reads and writes four elements per
+// access where the rank and the output's widths and offset are multiples of 4.
+//
 // ELEM is the element type of lora_b and output (f32, or f16 where the device has SHADER_F16);
 // shrunk and the sums are f32, and each output is rounded to ELEM once, after its add.
 {{ enable }}

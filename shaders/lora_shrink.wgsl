@@ -2,9 +2,12 @@
 //
 // One workgroup per (tile, block of RANK_TILE ranks). A tile is up to TILE_ROWS rows that share
 // one adapter slot, taken in slot-sorted order; rows with slot -1 are in no tile and are never
-// touched. The tile's TILE_ROWS x RANK_TILE outputs are cut into 4x4 blocks; SPLIT threads share
-// a block, each summing every SPLIT-th column of the staged K_TILE columns, and the partial sums
-// are added up through workgroup memory at the end.
+// touched. Each thread owns four rows of the tile and all RANK_TILE ranks, and sums every
+// SPLIT-th column of x (split-K: neighbouring threads read neighbouring columns); the SPLIT
+// partial sums of each output are added up through workgroup memory at the end.
+//
+// This is the kernel for any in_features; `lora_shrink_vec4.wgsl` reads four columns per load
+// where in_features is a multiple of 4.
 //
 // ELEM is the element type of x and lora_a (f32, or f16 where the device has SHADER_F16); sums
 // are f32 and shrunk is always f32.
@@ -27,17 +30,13 @@ struct Params {
 alias ELEM = {{ elem }};
 
 const WORKGROUP: u32 = {{ workgroup }}u;
-const TILE_ROWS: u32 = {{ tile_rows }}u;
+const TILE_ROWS: u32 = {{ tile_rows }}u; // WORKGROUP / 4: one output per thread in the reduction
 const RANK_TILE: u32 = {{ rank_tile }}u; // a power of two, 4..=32
-const K_TILE: u32 = 32u;
-const ROW_BLOCKS: u32 = TILE_ROWS / 4u;
+const ROW_GROUPS: u32 = TILE_ROWS / 4u;
+const SPLIT: u32 = WORKGROUP / ROW_GROUPS;
 const RANK_BLOCKS: u32 = RANK_TILE / 4u;
-const BLOCKS: u32 = ROW_BLOCKS * RANK_BLOCKS;
-const SPLIT: u32 = WORKGROUP / BLOCKS;
 
-// Staged transposed, column by column, so four rows (or ranks) are one vec4.
-var<workgroup> x_tile: array<vec4<f32>, K_TILE * ROW_BLOCKS>;
-var<workgroup> a_tile: array<vec4<f32>, K_TILE * RANK_BLOCKS>;
+// Every thread's sums for one block of four ranks: four rows, one vec4 each.
 var<workgroup> partial: array<vec4<f32>, WORKGROUP * 4u>;
 
 @compute @workgroup_size(WORKGROUP)
@@ -53,60 +52,59 @@ fn main(
     let rank = params.rank;
     let rank0 = workgroup.y * RANK_TILE;
 
-    let block = lid % BLOCKS;
-    let part = lid / BLOCKS;
-    let row_block = block / RANK_BLOCKS;
-    let rank_block = block % RANK_BLOCKS;
-    // acc[i] holds row 4*row_block + i, ranks 4*rank_block .. +4.
-    var acc: array<vec4<f32>, 4>;
-
-    for (var k0 = 0u; k0 < in_features; k0 += K_TILE) {
-        for (var i = lid; i < TILE_ROWS * K_TILE; i += WORKGROUP) {
-            let r = i / K_TILE;
-            let k = i % K_TILE;
-            var value = 0.0;
-            if (r < len && k0 + k < in_features) {
-                let token = u32(sorted_tokens[start + r]);
-                value = f32(x[token * in_features + k0 + k]);
-            }
-            x_tile[k * ROW_BLOCKS + r / 4u][r % 4u] = value;
-        }
-        for (var i = lid; i < RANK_TILE * K_TILE; i += WORKGROUP) {
-            let r = i / K_TILE;
-            let k = i % K_TILE;
-            var value = 0.0;
-            if (rank0 + r < rank && k0 + k < in_features) {
-                value = f32(lora_a[(slot * rank + rank0 + r) * in_features + k0 + k]);
-            }
-            a_tile[k * RANK_BLOCKS + r / 4u][r % 4u] = value;
-        }
-        workgroupBarrier();
-        for (var k = part; k < K_TILE; k += SPLIT) {
-            let xv = x_tile[k * ROW_BLOCKS + row_block];
-            let av = a_tile[k * RANK_BLOCKS + rank_block];
-            acc[0] += xv.x * av;
-            acc[1] += xv.y * av;
-            acc[2] += xv.z * av;
-            acc[3] += xv.w * av;
-        }
-        workgroupBarrier();
-    }
-
+    let group = lid / SPLIT;
+    let part = lid % SPLIT;
+    // Rows past the tile's end and ranks past the adapter's are clamped to valid ones: they are
+    // read and summed, never stored.
+    var x_row: array<u32, 4>;
     for (var i = 0u; i < 4u; i++) {
-        partial[(part * BLOCKS + block) * 4u + i] = acc[i];
+        x_row[i] = u32(sorted_tokens[start + min(4u * group + i, len - 1u)]) * in_features;
     }
-    workgroupBarrier();
-    for (var o = lid; o < TILE_ROWS * RANK_TILE; o += WORKGROUP) {
-        let row = o / RANK_TILE;
-        let r = o % RANK_TILE;
-        let owner = (row / 4u) * RANK_BLOCKS + r / 4u;
+    var a_row: array<u32, RANK_TILE>;
+    for (var r = 0u; r < RANK_TILE; r++) {
+        a_row[r] = (slot * rank + min(rank0 + r, rank - 1u)) * in_features;
+    }
+    // acc[i * RANK_BLOCKS + q] holds row 4 * group + i, ranks 4 * q .. +4.
+    var acc: array<vec4<f32>, 4u * RANK_BLOCKS>;
+
+    for (var k = part; k < in_features; k += SPLIT) {
+        let xv = vec4<f32>(
+            f32(x[x_row[0] + k]),
+            f32(x[x_row[1] + k]),
+            f32(x[x_row[2] + k]),
+            f32(x[x_row[3] + k]),
+        );
+        for (var q = 0u; q < RANK_BLOCKS; q++) {
+            let av = vec4<f32>(
+                f32(lora_a[a_row[4u * q] + k]),
+                f32(lora_a[a_row[4u * q + 1u] + k]),
+                f32(lora_a[a_row[4u * q + 2u] + k]),
+                f32(lora_a[a_row[4u * q + 3u] + k]),
+            );
+            acc[q] += xv.x * av;
+            acc[RANK_BLOCKS + q] += xv.y * av;
+            acc[2u * RANK_BLOCKS + q] += xv.z * av;
+            acc[3u * RANK_BLOCKS + q] += xv.w * av;
+        }
+    }
+
+    // One block of four ranks at a time, thread (m, j) adds up row m, rank 4 * q + j over the
+    // SPLIT threads of m's group. Constant trip counts keep `acc` in registers.
+    let m = lid / 4u;
+    let j = lid % 4u;
+    for (var q = 0u; q < RANK_BLOCKS; q++) {
+        for (var i = 0u; i < 4u; i++) {
+            partial[lid * 4u + i] = acc[i * RANK_BLOCKS + q];
+        }
+        workgroupBarrier();
         var sum = 0.0;
         for (var p = 0u; p < SPLIT; p++) {
-            sum += partial[(p * BLOCKS + owner) * 4u + row % 4u][r % 4u];
+            sum += partial[((m / 4u) * SPLIT + p) * 4u + m % 4u][j];
         }
-        if (row < len && rank0 + r < rank) {
-            let token = u32(sorted_tokens[start + row]);
-            shrunk[token * rank + rank0 + r] = sum;
+        let r = rank0 + 4u * q + j;
+        if (m < len && r < rank) {
+            shrunk[u32(sorted_tokens[start + m]) * rank + r] = sum;
         }
+        workgroupBarrier();
     }
 }

@@ -7,8 +7,9 @@ use super::{LoraBatch, LoraSlice, lora_apply};
 use crate::device::RuntimeDevice;
 use crate::lora::meta::{KernelMeta, NO_SLOT};
 
-/// Layer widths taken from Qwen2-VL (1176 patch, 1280 dim, 3840 qkv, 5120 MLP) plus small ones.
-pub const WIDTHS: [usize; 6] = [64, 96, 1176, 1280, 3840, 5120];
+/// Layer widths taken from Qwen2-VL (1176 patch, 1280 dim, 3840 qkv, 5120 MLP) plus small ones,
+/// one of them odd so that the WGSL op's kernels for widths that are not multiples of 4 run too.
+pub const WIDTHS: [usize; 7] = [37, 64, 96, 1176, 1280, 3840, 5120];
 
 /// Unit roundoff of f32.
 const U: f64 = f32::EPSILON as f64 / 2.0;

@@ -1,0 +1,112 @@
+// LoRA shrink: shrunk[row, r] = sum_k x[row, k] * lora_a[slot, r, k]
+//
+// One workgroup per (tile, block of RANK_TILE ranks). A tile is up to TILE_ROWS rows that share
+// one adapter slot, taken in slot-sorted order; rows with slot -1 are in no tile and are never
+// touched. Each thread owns four rows of the tile and all RANK_TILE ranks, and sums every
+// SPLIT-th group of four columns of x (split-K: neighbouring threads read neighbouring groups);
+// the SPLIT partial sums of each output are added up through workgroup memory at the end.
+//
+// This is `lora_shrink.wgsl` for in_features a multiple of 4: every load is a vec4 of four
+// neighbouring columns, so a thread does four times the multiply-adds per load (loads, not
+// arithmetic, bound both kernels on llvmpipe, where each one is a loop over the SIMD lanes).
+//
+// ELEM is the element type of x and lora_a (f32, or f16 where the device has SHADER_F16); sums
+// are f32 and shrunk is always f32.
+{{ enable }}
+
+@group(0) @binding(0) var<storage, read_write> x: array<vec4<ELEM>>;      // [rows, in / 4]
+@group(0) @binding(1) var<storage, read_write> lora_a: array<vec4<ELEM>>; // [slots, rank, in / 4]
+@group(0) @binding(2) var<storage, read_write> sorted_tokens: array<i32>; // [rows]
+@group(0) @binding(3) var<storage, read_write> tiles: array<i32>;         // [n_tiles, 4]: slot, start, len, 0
+@group(0) @binding(4) var<storage, read_write> shrunk: array<f32>;        // [rows, rank]
+
+struct Params {
+    in_features: u32,
+    rank: u32,
+    tile_base: u32,
+    _pad: u32,
+}
+@group(0) @binding(5) var<uniform> params: Params;
+
+alias ELEM = {{ elem }};
+
+const WORKGROUP: u32 = {{ workgroup }}u;
+const TILE_ROWS: u32 = {{ tile_rows }}u; // WORKGROUP / 4: one output per thread in the reduction
+const RANK_TILE: u32 = {{ rank_tile }}u; // a power of two, 4..=32
+const ROW_GROUPS: u32 = TILE_ROWS / 4u;
+const SPLIT: u32 = WORKGROUP / ROW_GROUPS;
+const RANK_BLOCKS: u32 = RANK_TILE / 4u;
+
+// Every thread's sums for one block of four ranks: four rows, one vec4 each.
+var<workgroup> partial: array<vec4<f32>, WORKGROUP * 4u>;
+
+// Row `v` against four rows of A (or B): one output per rank (or column).
+fn dots(v: vec4<f32>, m0: vec4<f32>, m1: vec4<f32>, m2: vec4<f32>, m3: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(dot(v, m0), dot(v, m1), dot(v, m2), dot(v, m3));
+}
+
+@compute @workgroup_size(WORKGROUP)
+fn main(
+    @builtin(workgroup_id) workgroup: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+) {
+    let tile = (params.tile_base + workgroup.x) * 4u;
+    let slot = u32(tiles[tile]);
+    let start = u32(tiles[tile + 1u]);
+    let len = u32(tiles[tile + 2u]);
+    let in4 = params.in_features / 4u;
+    let rank = params.rank;
+    let rank0 = workgroup.y * RANK_TILE;
+
+    let group = lid / SPLIT;
+    let part = lid % SPLIT;
+    // Rows past the tile's end and ranks past the adapter's are clamped to valid ones: they are
+    // read and summed, never stored.
+    var x_row: array<u32, 4>;
+    for (var i = 0u; i < 4u; i++) {
+        x_row[i] = u32(sorted_tokens[start + min(4u * group + i, len - 1u)]) * in4;
+    }
+    var a_row: array<u32, RANK_TILE>;
+    for (var r = 0u; r < RANK_TILE; r++) {
+        a_row[r] = (slot * rank + min(rank0 + r, rank - 1u)) * in4;
+    }
+    // acc[i * RANK_BLOCKS + q] holds row 4 * group + i, ranks 4 * q .. +4.
+    var acc: array<vec4<f32>, 4u * RANK_BLOCKS>;
+
+    for (var k = part; k < in4; k += SPLIT) {
+        let x0 = vec4<f32>(x[x_row[0] + k]);
+        let x1 = vec4<f32>(x[x_row[1] + k]);
+        let x2 = vec4<f32>(x[x_row[2] + k]);
+        let x3 = vec4<f32>(x[x_row[3] + k]);
+        for (var q = 0u; q < RANK_BLOCKS; q++) {
+            let a0 = vec4<f32>(lora_a[a_row[4u * q] + k]);
+            let a1 = vec4<f32>(lora_a[a_row[4u * q + 1u] + k]);
+            let a2 = vec4<f32>(lora_a[a_row[4u * q + 2u] + k]);
+            let a3 = vec4<f32>(lora_a[a_row[4u * q + 3u] + k]);
+            acc[q] += dots(x0, a0, a1, a2, a3);
+            acc[RANK_BLOCKS + q] += dots(x1, a0, a1, a2, a3);
+            acc[2u * RANK_BLOCKS + q] += dots(x2, a0, a1, a2, a3);
+            acc[3u * RANK_BLOCKS + q] += dots(x3, a0, a1, a2, a3);
+        }
+    }
+
+    // One block of four ranks at a time, thread (m, j) adds up row m, rank 4 * q + j over the
+    // SPLIT threads of m's group. Constant trip counts keep `acc` in registers.
+    let m = lid / 4u;
+    let j = lid % 4u;
+    for (var q = 0u; q < RANK_BLOCKS; q++) {
+        for (var i = 0u; i < 4u; i++) {
+            partial[lid * 4u + i] = acc[i * RANK_BLOCKS + q];
+        }
+        workgroupBarrier();
+        var sum = 0.0;
+        for (var p = 0u; p < SPLIT; p++) {
+            sum += partial[((m / 4u) * SPLIT + p) * 4u + m % 4u][j];
+        }
+        let r = rank0 + 4u * q + j;
+        if (m < len && r < rank) {
+            shrunk[u32(sorted_tokens[start + m]) * rank + r] = sum;
+        }
+        workgroupBarrier();
+    }
+}
