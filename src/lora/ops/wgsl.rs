@@ -93,7 +93,8 @@ impl LoraShader {
         }
     }
 
-    /// Adjacent output columns each expand thread adds to (`{{ columns }}`; shrink: unused).
+    /// Adjacent output columns each expand thread adds to: `{{ columns }}` in
+    /// `lora_expand_vec4.wgsl` (two `vec4`s); `lora_expand.wgsl` is written for 4.
     fn columns(self) -> u32 {
         match self {
             LoraShader::ExpandVec4 => 8,
