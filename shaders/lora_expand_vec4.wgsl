@@ -38,7 +38,7 @@ const WORKGROUP: u32 = {{ workgroup }}u;
 const TILE_ROWS: u32 = {{ tile_rows }}u;
 const COLUMNS: u32 = {{ columns }}u; // 8: two vec4s
 
-// Row `v` against four rows of A (or B): one output per rank (or column).
+// Row `v` of shrunk against four rows of B: one sum per column.
 fn dots(v: vec4<f32>, m0: vec4<f32>, m1: vec4<f32>, m2: vec4<f32>, m3: vec4<f32>) -> vec4<f32> {
     return vec4<f32>(dot(v, m0), dot(v, m1), dot(v, m2), dot(v, m3));
 }

@@ -3,18 +3,19 @@
 // One workgroup per (tile, block of RANK_TILE ranks). A tile is up to TILE_ROWS rows that share
 // one adapter slot, taken in slot-sorted order; rows with slot -1 are in no tile and are never
 // touched. Each thread owns four rows of the tile and all RANK_TILE ranks, and sums every
-// SPLIT-th column of x (split-K: neighbouring threads read neighbouring columns); the SPLIT
-// partial sums of each output are added up through workgroup memory at the end.
+// SPLIT-th group of LANES columns of x (split-K: neighbouring threads read neighbouring groups);
+// the SPLIT partial sums of each output are added up through workgroup memory at the end.
 //
-// This is the kernel for any in_features; `lora_shrink_vec4.wgsl` reads four columns per load
-// where in_features is a multiple of 4.
+// LANES is 4 where in_features is a multiple of 4 (every load a vec4 of neighbouring columns),
+// else 1. Four columns per load is four times the multiply-adds per load: loads, not
+// arithmetic, bound the kernel on llvmpipe, where each one is a loop over the SIMD lanes.
 //
 // ELEM is the element type of x and lora_a (f32, or f16 where the device has SHADER_F16); sums
 // are f32 and shrunk is always f32.
 {{ enable }}
 
-@group(0) @binding(0) var<storage, read_write> x: array<ELEM>;            // [rows, in]
-@group(0) @binding(1) var<storage, read_write> lora_a: array<ELEM>;       // [slots, rank, in]
+@group(0) @binding(0) var<storage, read_write> x: array<LOAD>;            // [rows, in / LANES]
+@group(0) @binding(1) var<storage, read_write> lora_a: array<LOAD>;       // [slots, rank, in / LANES]
 @group(0) @binding(2) var<storage, read_write> sorted_tokens: array<i32>; // [rows]
 @group(0) @binding(3) var<storage, read_write> tiles: array<i32>;         // [n_tiles, 4]: slot, start, len, 0
 @group(0) @binding(4) var<storage, read_write> shrunk: array<f32>;        // [rows, rank]
@@ -28,6 +29,14 @@ struct Params {
 @group(0) @binding(5) var<uniform> params: Params;
 
 alias ELEM = {{ elem }};
+// One load of x or A: LANES neighbouring columns (vec4<ELEM> or ELEM).
+alias LOAD = {{ load }};
+const LANES: u32 = {{ lanes }}u;
+
+// A load as a vec4<f32>, zero-padded past its LANES columns.
+fn widen(v: LOAD) -> vec4<f32> {
+    return {{ widen }};
+}
 
 const WORKGROUP: u32 = {{ workgroup }}u;
 const TILE_ROWS: u32 = {{ tile_rows }}u; // WORKGROUP / 4: one output per thread in the reduction
@@ -39,6 +48,11 @@ const RANK_BLOCKS: u32 = RANK_TILE / 4u;
 // Every thread's sums for one block of four ranks: four rows, one vec4 each.
 var<workgroup> partial: array<vec4<f32>, WORKGROUP * 4u>;
 
+// Row `v` of x against four rows of A: one sum per rank.
+fn dots(v: vec4<f32>, m0: vec4<f32>, m1: vec4<f32>, m2: vec4<f32>, m3: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(dot(v, m0), dot(v, m1), dot(v, m2), dot(v, m3));
+}
+
 @compute @workgroup_size(WORKGROUP)
 fn main(
     @builtin(workgroup_id) workgroup: vec3<u32>,
@@ -48,7 +62,7 @@ fn main(
     let slot = u32(tiles[tile]);
     let start = u32(tiles[tile + 1u]);
     let len = u32(tiles[tile + 2u]);
-    let in_features = params.in_features;
+    let width = params.in_features / LANES;
     let rank = params.rank;
     let rank0 = workgroup.y * RANK_TILE;
 
@@ -58,33 +72,29 @@ fn main(
     // read and summed, never stored.
     var x_row: array<u32, 4>;
     for (var i = 0u; i < 4u; i++) {
-        x_row[i] = u32(sorted_tokens[start + min(4u * group + i, len - 1u)]) * in_features;
+        x_row[i] = u32(sorted_tokens[start + min(4u * group + i, len - 1u)]) * width;
     }
     var a_row: array<u32, RANK_TILE>;
     for (var r = 0u; r < RANK_TILE; r++) {
-        a_row[r] = (slot * rank + min(rank0 + r, rank - 1u)) * in_features;
+        a_row[r] = (slot * rank + min(rank0 + r, rank - 1u)) * width;
     }
     // acc[i * RANK_BLOCKS + q] holds row 4 * group + i, ranks 4 * q .. +4.
     var acc: array<vec4<f32>, 4u * RANK_BLOCKS>;
 
-    for (var k = part; k < in_features; k += SPLIT) {
-        let xv = vec4<f32>(
-            f32(x[x_row[0] + k]),
-            f32(x[x_row[1] + k]),
-            f32(x[x_row[2] + k]),
-            f32(x[x_row[3] + k]),
-        );
+    for (var k = part; k < width; k += SPLIT) {
+        let x0 = widen(x[x_row[0] + k]);
+        let x1 = widen(x[x_row[1] + k]);
+        let x2 = widen(x[x_row[2] + k]);
+        let x3 = widen(x[x_row[3] + k]);
         for (var q = 0u; q < RANK_BLOCKS; q++) {
-            let av = vec4<f32>(
-                f32(lora_a[a_row[4u * q] + k]),
-                f32(lora_a[a_row[4u * q + 1u] + k]),
-                f32(lora_a[a_row[4u * q + 2u] + k]),
-                f32(lora_a[a_row[4u * q + 3u] + k]),
-            );
-            acc[q] += xv.x * av;
-            acc[RANK_BLOCKS + q] += xv.y * av;
-            acc[2u * RANK_BLOCKS + q] += xv.z * av;
-            acc[3u * RANK_BLOCKS + q] += xv.w * av;
+            let a0 = widen(lora_a[a_row[4u * q] + k]);
+            let a1 = widen(lora_a[a_row[4u * q + 1u] + k]);
+            let a2 = widen(lora_a[a_row[4u * q + 2u] + k]);
+            let a3 = widen(lora_a[a_row[4u * q + 3u] + k]);
+            acc[q] += dots(x0, a0, a1, a2, a3);
+            acc[RANK_BLOCKS + q] += dots(x1, a0, a1, a2, a3);
+            acc[2u * RANK_BLOCKS + q] += dots(x2, a0, a1, a2, a3);
+            acc[3u * RANK_BLOCKS + q] += dots(x3, a0, a1, a2, a3);
         }
     }
 

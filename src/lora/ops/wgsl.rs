@@ -7,8 +7,9 @@
 //!
 //! Each kernel exists for `f32` and `f16` tensors ([`Elem`]); sums and the scratch stay `f32`.
 //! Each also has a `vec4` form that reads and writes four elements per access, taken where the
-//! widths it indexes are multiples of 4 (every Qwen2-VL layer, and ranks 4, 8, 16, …); on
-//! lavapipe it makes the op 2.5× faster, as each load there is a loop over the SIMD lanes.
+//! widths it indexes are multiples of 4 (every Qwen2-VL layer, and ranks 4, 8, 16, …): shrink as
+//! a specialisation of its one shader, expand as a shader of its own. On lavapipe that makes the
+//! op 2.5× faster, as each load there is a loop over the SIMD lanes.
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::wgpu::{CubeBackend, CubeTensor, KernelSource, SourceKernel, SourceTemplate};
@@ -33,9 +34,9 @@ const MAX_WORKGROUPS_PER_DIM: usize = 65_535;
 /// The WGSL kernels of the op.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum LoraShader {
-    /// `shaders/lora_shrink.wgsl`: any width.
+    /// `shaders/lora_shrink.wgsl`, one column per load: any width.
     Shrink,
-    /// `shaders/lora_shrink_vec4.wgsl`: `in_features` a multiple of 4.
+    /// `shaders/lora_shrink.wgsl`, four columns per load: `in_features` a multiple of 4.
     ShrinkVec4,
     /// `shaders/lora_expand.wgsl`: any widths.
     Expand,
@@ -77,8 +78,7 @@ impl LoraShader {
     /// The shader's file name under `shaders/`.
     pub fn file_name(self) -> &'static str {
         match self {
-            LoraShader::Shrink => "lora_shrink.wgsl",
-            LoraShader::ShrinkVec4 => "lora_shrink_vec4.wgsl",
+            LoraShader::Shrink | LoraShader::ShrinkVec4 => "lora_shrink.wgsl",
             LoraShader::Expand => "lora_expand.wgsl",
             LoraShader::ExpandVec4 => "lora_expand_vec4.wgsl",
         }
@@ -86,10 +86,21 @@ impl LoraShader {
 
     fn template(self) -> &'static str {
         match self {
-            LoraShader::Shrink => include_str!("../../../shaders/lora_shrink.wgsl"),
-            LoraShader::ShrinkVec4 => include_str!("../../../shaders/lora_shrink_vec4.wgsl"),
+            LoraShader::Shrink | LoraShader::ShrinkVec4 => {
+                include_str!("../../../shaders/lora_shrink.wgsl")
+            }
             LoraShader::Expand => include_str!("../../../shaders/lora_expand.wgsl"),
             LoraShader::ExpandVec4 => include_str!("../../../shaders/lora_expand_vec4.wgsl"),
+        }
+    }
+
+    /// Neighbouring columns of x and A that one shrink load reads (`{{ lanes }}`), the WGSL type
+    /// of that load (`{{ load }}`) and the expression that widens it, `v`, to a zero-padded
+    /// `vec4<f32>` (`{{ widen }}`). Expand: unused.
+    fn shrink_load(self) -> (u32, &'static str, &'static str) {
+        match self {
+            LoraShader::ShrinkVec4 => (4, "vec4<ELEM>", "vec4<f32>(v)"),
+            _ => (1, "ELEM", "vec4<f32>(f32(v), 0.0, 0.0, 0.0)"),
         }
     }
 
@@ -173,11 +184,15 @@ struct LoraKernel {
 
 impl KernelSource for LoraKernel {
     fn source(&self) -> SourceTemplate {
+        let (lanes, load, widen) = self.shader.shrink_load();
         SourceTemplate::new(self.shader.template())
             .register("workgroup", WORKGROUP.to_string())
             .register("tile_rows", TILE_ROWS.to_string())
             .register("rank_tile", self.rank_tile.to_string())
             .register("columns", self.shader.columns().to_string())
+            .register("lanes", lanes.to_string())
+            .register("load", load)
+            .register("widen", widen)
             .register("elem", self.elem.wgsl())
             .register("enable", self.elem.enable())
     }
