@@ -25,13 +25,13 @@ use super::{LoraBackend, LoraPlan, TILE_ROWS};
 /// Invocations per workgroup, shared by both shaders (`{{ workgroup }}`).
 pub const WORKGROUP: u32 = 64;
 
-/// The largest rank block a workgroup stages at once (`{{ rank_tile }}` is at most this).
+/// The largest rank block one shrink workgroup sums (`{{ rank_tile }}` is at most this).
 pub const MAX_RANK_TILE: u32 = 32;
 
 /// Most workgroups one dispatch dimension may have (WebGPU's default limit).
 const MAX_WORKGROUPS_PER_DIM: usize = 65_535;
 
-/// The WGSL kernels of the op.
+/// The WGSL kernels of the op: a shader file, and for shrink how many columns one load reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum LoraShader {
     /// `shaders/lora_shrink.wgsl`, one column per load: any width.
