@@ -198,7 +198,10 @@ impl KernelSource for LoraKernel {
     }
 
     fn id(&self) -> KernelId {
-        KernelId::new::<Self>().info((self.shader, self.rank_tile, self.elem))
+        // `lora_expand_vec4.wgsl` does not read the rank block, so one pipeline serves every
+        // rank rather than one identical copy per block size.
+        let rank_tile = (self.shader != LoraShader::ExpandVec4).then_some(self.rank_tile);
+        KernelId::new::<Self>().info((self.shader, rank_tile, self.elem))
     }
 
     fn lang(&self) -> &'static str {
