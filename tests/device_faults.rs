@@ -108,7 +108,9 @@ fn a_step_over_the_device_buffer_limit_fails_alone() {
                 pixel_values: vec![0.5; rows * patch_len],
                 grid_thw: [1, 2, 128],
             }),
-            adapter: None,
+            // With an adapter, so the failed step's LoRA kernels are refused too: the weights
+            // they were only to read (the model's, the adapter's) must stay usable.
+            adapter: Some("all-r4".to_owned()),
         })
         .collect();
     let error = engine.encode(&requests, false).unwrap_err();

@@ -19,6 +19,7 @@ use serde::Serialize;
 use crate::adapters::{ModuleLora, PeftAdapter};
 use crate::device::{Precision, RuntimeDevice};
 use crate::engine::{Engine, EngineError, EngineOptions, ImageSource, Request};
+use crate::model::gemm::LinearKernel;
 use crate::model::qwen2_vl::{LoraTarget, Qwen2VlVision, VisionConfig};
 use crate::preprocess::{Patches, PreprocessConfig, smart_resize};
 
@@ -80,6 +81,8 @@ pub struct BenchSpec {
     pub repeats: usize,
     /// The float type the model computes in.
     pub precision: Precision,
+    /// The linear layers' kernel (on a GPU the base also runs with the other one, to compare).
+    pub linear_kernel: LinearKernel,
 }
 
 /// The default image side on a software GPU (lavapipe): it runs the 2B tower about 6× slower
@@ -104,6 +107,7 @@ impl Default for BenchSpec {
             ranks: vec![16],
             repeats: 3,
             precision: Precision::F32,
+            linear_kernel: LinearKernel::Auto,
         }
     }
 }
@@ -127,6 +131,8 @@ pub struct BenchRecord {
     pub rank: usize,
     /// `f32` or `f16`.
     pub precision: String,
+    /// The linear layers' kernel: `burn` or `wgsl`.
+    pub linear_kernel: String,
     /// Median time of one batch.
     pub median_ms: f64,
     /// Images per second at the median.
@@ -147,15 +153,27 @@ pub fn run(
     let model = Qwen2VlVision::random(config.clone(), &device.device);
     let requests = random_images(spec.images, spec.side, &config, &preprocess)?;
 
-    let mut configurations = vec![(0, 0)];
+    // (adapters, rank, linear kernel); the base with the chosen kernel first.
+    let kernel = spec.linear_kernel.resolve(device);
+    let mut configurations = vec![(0, 0, kernel)];
     for &rank in &spec.ranks {
-        configurations.extend(spec.adapters.iter().map(|&k| (k, rank)));
+        configurations.extend(spec.adapters.iter().map(|&k| (k, rank, kernel)));
+    }
+    if device.wgpu.is_some() {
+        let other = match kernel {
+            LinearKernel::Wgsl => LinearKernel::Burn,
+            _ => LinearKernel::Wgsl,
+        };
+        configurations.push((0, 0, other));
     }
     let mut runs = Vec::with_capacity(configurations.len());
-    for &(adapters, rank) in &configurations {
-        progress(&format!("preparing {adapters} adapters of rank {rank}"));
-        let mut engine =
-            engine_with_adapters(&model, device, spec.precision, adapters, adapters, rank)?;
+    for &(adapters, rank, kernel) in &configurations {
+        progress(&format!(
+            "preparing {adapters} adapters of rank {rank}, {} linears",
+            kernel.name()
+        ));
+        let compute = (spec.precision, kernel);
+        let mut engine = engine_with_adapters(&model, device, compute, adapters, adapters, rank)?;
         let batch = mixed_batch(&requests, adapters, rank);
         engine.encode(&batch, false)?; // warm-up
         runs.push((engine, batch, Vec::with_capacity(spec.repeats)));
@@ -172,7 +190,7 @@ pub fn run(
     Ok(configurations
         .iter()
         .zip(&medians)
-        .map(|(&(adapters, rank), &median_ms)| BenchRecord {
+        .map(|(&(adapters, rank, kernel), &median_ms)| BenchRecord {
             device: device_kind.to_owned(),
             adapter_name: device.description.clone(),
             preset: spec.preset.name().to_owned(),
@@ -181,6 +199,7 @@ pub fn run(
             adapters,
             rank,
             precision: spec.precision.name().to_owned(),
+            linear_kernel: kernel.name().to_owned(),
             median_ms,
             img_per_s: spec.images as f64 / (median_ms / 1e3),
             ratio_vs_base: medians[0] / median_ms,
@@ -225,12 +244,13 @@ fn random_images(
         .collect())
 }
 
-/// An engine around `model` in `precision` with `slots` GPU slots and `loaded` random adapters
-/// of `rank` registered (named `r{rank}-{k}`), all held in host memory.
+/// An engine around `model` computing in `precision` with `kernel` for the linears, with `slots`
+/// GPU slots and `loaded` random adapters of `rank` registered (named `r{rank}-{k}`), all held
+/// in host memory.
 fn engine_with_adapters(
     model: &Qwen2VlVision,
     device: &RuntimeDevice,
-    precision: Precision,
+    (precision, linear_kernel): (Precision, LinearKernel),
     slots: usize,
     loaded: usize,
     rank: usize,
@@ -241,6 +261,7 @@ fn engine_with_adapters(
         max_cpu_adapters: loaded.max(slots).max(1),
         max_step_rows: usize::MAX,
         precision,
+        linear_kernel,
     };
     let mut engine = Engine::with_model(
         model.clone(),
@@ -334,6 +355,7 @@ mod tests {
             ranks: vec![2, 4],
             repeats: 1,
             precision: Precision::F32,
+            linear_kernel: LinearKernel::Auto,
         };
         let mut seen = Vec::new();
         let records = run(&spec, &crate::device::cpu(), "cpu", |c| {

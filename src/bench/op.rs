@@ -1,4 +1,5 @@
-//! The LoRA op alone, on one device: the base linear it rides on, the base plus the op, and the
+//! The LoRA op alone, on one device: the base linear it rides on (with the kernel the engine
+//! would use), the base plus the op, and the
 //! base plus a naive gather-and-batched-matmul (each row's A and B gathered, two batched
 //! matmuls), at a preset's `attn.qkv` shape with the rows cycling through the adapters.
 
@@ -10,6 +11,7 @@ use serde::Serialize;
 use crate::device::{Precision, RuntimeDevice};
 use crate::lora::meta::KernelMeta;
 use crate::lora::ops::{LoraBatch, LoraSlice, lora_apply};
+use crate::model::gemm::{LinearKernel, linear};
 use crate::model::qwen2_vl::{DEFAULT_BUFFER_LIMIT, VisionConfig};
 
 /// One op problem: `rows × in_features → out_features`, `adapters` adapters of `rank`.
@@ -27,6 +29,8 @@ pub struct OpShape {
     pub adapters: usize,
     /// The float type of every tensor.
     pub precision: Precision,
+    /// The base linear's kernel (resolved for the device when the inputs are made).
+    pub linear_kernel: LinearKernel,
 }
 
 impl OpShape {
@@ -39,6 +43,7 @@ impl OpShape {
             rank,
             adapters,
             precision: Precision::F32,
+            linear_kernel: LinearKernel::Auto,
         }
     }
 }
@@ -48,6 +53,7 @@ pub struct OpInputs {
     shape: OpShape,
     x: Tensor<2>,
     weight_t: Tensor<2>,
+    bias: Tensor<1>,
     slice: LoraSlice,
     batch: LoraBatch,
     slots: Tensor<1, Int>,
@@ -66,6 +72,7 @@ impl OpInputs {
             rank,
             adapters,
             precision,
+            linear_kernel,
         } = shape;
         let dtype = precision.dtype();
         let token_slots: Vec<i32> = (0..rows).map(|r| (r % adapters) as i32).collect();
@@ -74,7 +81,10 @@ impl OpInputs {
         let limit = on.buffer_limit.unwrap_or(DEFAULT_BUFFER_LIMIT);
         let gathered_row = (rank * (in_features + out_features) * 4) as u64;
         Self {
-            shape,
+            shape: OpShape {
+                linear_kernel: linear_kernel.resolve(on),
+                ..shape
+            },
             x: Tensor::<2>::random([rows, in_features], Distribution::Uniform(-1.0, 1.0), d)
                 .cast(dtype),
             weight_t: Tensor::<2>::random(
@@ -83,6 +93,8 @@ impl OpInputs {
                 d,
             )
             .cast(dtype),
+            bias: Tensor::<1>::random([out_features], Distribution::Uniform(-1.0, 1.0), d)
+                .cast(dtype),
             slice: LoraSlice {
                 a: Tensor::<3>::random(
                     [adapters, rank, in_features],
@@ -106,9 +118,14 @@ impl OpInputs {
         }
     }
 
-    /// The base linear `x · W`.
+    /// The base linear `x · Wᵀ + b`.
     pub fn base(&self) -> Tensor<2> {
-        self.x.clone().matmul(self.weight_t.clone())
+        linear(
+            self.x.clone(),
+            &self.weight_t,
+            Some(&self.bias),
+            self.shape.linear_kernel,
+        )
     }
 
     /// `base` plus each row's LoRA delta through the op.
@@ -183,6 +200,8 @@ pub struct OpRecord {
     pub adapters: usize,
     /// `f32` or `f16`.
     pub precision: String,
+    /// The base linear's kernel: `burn` or `wgsl`.
+    pub linear_kernel: String,
     /// The base linear alone, median ms.
     pub base_ms: f64,
     /// The base linear plus the op, median ms.
@@ -223,6 +242,7 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, kind: &str, repeats: usize) -> Op
         rank: shape.rank,
         adapters: shape.adapters,
         precision: shape.precision.name().to_owned(),
+        linear_kernel: shape.linear_kernel.resolve(on).name().to_owned(),
         base_ms,
         lora_ms,
         naive_ms,

@@ -14,6 +14,7 @@ use serde::Serialize;
 use super::{Preset, engine_with_adapters, median, mixed_batch, random_images};
 use crate::device::{Precision, RuntimeDevice};
 use crate::engine::{Engine, EngineError, Request};
+use crate::model::gemm::LinearKernel;
 use crate::model::qwen2_vl::Qwen2VlVision;
 use crate::preprocess::PreprocessConfig;
 
@@ -43,6 +44,8 @@ pub struct ScaleSpec {
     pub adapter_images: usize,
     /// The float type the model computes in.
     pub precision: Precision,
+    /// The linear layers' kernel.
+    pub linear_kernel: LinearKernel,
 }
 
 /// Image side of the sweep by default: 64 images of it are 4096 tower rows.
@@ -64,6 +67,7 @@ impl Default for ScaleSpec {
             slots: 16,
             adapter_images: 64,
             precision: Precision::F32,
+            linear_kernel: LinearKernel::Auto,
         }
     }
 }
@@ -97,6 +101,8 @@ pub struct ScaleRecord {
     pub steps: usize,
     /// `f32` or `f16`.
     pub precision: String,
+    /// The linear layers' kernel: `burn` or `wgsl`.
+    pub linear_kernel: String,
     /// Median time of one batch.
     pub median_ms: f64,
     /// `median_ms / images`.
@@ -244,7 +250,10 @@ impl Sweep<'_> {
         let mut engine = engine_with_adapters(
             self.model,
             self.device,
-            self.spec.precision,
+            (
+                self.spec.precision,
+                self.spec.linear_kernel.resolve(self.device),
+            ),
             slots,
             adapters,
             rank,
@@ -289,6 +298,12 @@ impl Sweep<'_> {
             slots: configuration.slots,
             steps: warm.steps,
             precision: self.spec.precision.name().to_owned(),
+            linear_kernel: self
+                .spec
+                .linear_kernel
+                .resolve(self.device)
+                .name()
+                .to_owned(),
             median_ms,
             ms_per_image: median_ms / images as f64,
             img_per_s: images as f64 / (median_ms / 1e3),
@@ -333,6 +348,7 @@ mod tests {
             slots: 2,
             adapter_images: 5,
             precision: Precision::F32,
+            linear_kernel: LinearKernel::Auto,
         };
         let records = run(&spec, &crate::device::cpu(), "cpu", |_| ()).unwrap();
         let seen: Vec<_> = records

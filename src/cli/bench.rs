@@ -7,6 +7,7 @@ use mmlora::bench::op::OpShape;
 use mmlora::bench::scale::{self, ScaleSpec};
 use mmlora::bench::{self, BenchSpec, Preset};
 use mmlora::device::{self, DeviceChoice, Precision, RuntimeDevice};
+use mmlora::model::gemm::LinearKernel;
 
 use super::CliError;
 use super::output::check_writable_folder;
@@ -39,6 +40,10 @@ pub struct BenchArgs {
     /// The float type to compute in (f16: a GPU with SHADER_F16).
     #[arg(long, value_enum, default_value = "f32")]
     precision: Precision,
+    /// The kernel of the linear layers' base products on a GPU (auto: ours on a software GPU,
+    /// Burn's on a hardware one). On a GPU the base also runs with the other, to compare.
+    #[arg(long, value_enum, default_value = "auto")]
+    linear_kernel: LinearKernel,
     /// One JSON object per configuration instead of a table.
     #[arg(long)]
     json: bool,
@@ -109,6 +114,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         ranks: args.ranks,
         repeats: args.repeats,
         precision: args.precision,
+        linear_kernel: args.linear_kernel,
     };
     let records = bench::run(&spec, &runtime, kind, |configuration| {
         eprintln!("{configuration}…");
@@ -126,6 +132,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
             eprintln!("the LoRA op alone: {rows} rows, rank {rank}, {mixed} adapters…");
             let shape = OpShape {
                 precision: spec.precision,
+                linear_kernel: spec.linear_kernel,
                 ..OpShape::qkv(&spec.preset.config(), rows, rank, mixed)
             };
             ops.push(bench::op::run(shape, &runtime, kind, spec.repeats));
@@ -143,13 +150,13 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         }
     } else {
         println!(
-            "{:>8} {:>5} {:>12} {:>10} {:>14}",
-            "adapters", "rank", "median ms", "img/s", "vs base"
+            "{:>8} {:>5} {:>7} {:>12} {:>10} {:>14}",
+            "adapters", "rank", "linear", "median ms", "img/s", "vs base"
         );
         for r in &records {
             println!(
-                "{:>8} {:>5} {:>12.1} {:>10.2} {:>13.3}×",
-                r.adapters, r.rank, r.median_ms, r.img_per_s, r.ratio_vs_base
+                "{:>8} {:>5} {:>7} {:>12.1} {:>10.2} {:>13.3}×",
+                r.adapters, r.rank, r.linear_kernel, r.median_ms, r.img_per_s, r.ratio_vs_base
             );
         }
         if !ops.is_empty() {
@@ -194,6 +201,7 @@ fn run_scale(args: BenchArgs, runtime: &RuntimeDevice, kind: &str) -> Result<(),
         adapters: args.scale_adapters,
         slots: args.slots,
         precision: args.precision,
+        linear_kernel: args.linear_kernel,
     };
     let records = scale::run(&spec, runtime, kind, |configuration| {
         eprintln!("{configuration}…");

@@ -8,6 +8,7 @@ use mmlora::adapters::PeftAdapter;
 use mmlora::device::{self, DeviceChoice, Precision};
 use mmlora::engine::batch::Batch;
 use mmlora::engine::{Encoded, Engine, EngineOptions, ImageSource, Request};
+use mmlora::model::gemm::LinearKernel;
 
 use super::output::{OutputTensor, check_writable_folder, write_safetensors};
 use super::{CliError, default_model_dir};
@@ -46,6 +47,10 @@ pub struct EncodeArgs {
     /// The float type to compute in (f16: a GPU with SHADER_F16; the outputs stay f32).
     #[arg(long, value_enum, default_value = "f32")]
     precision: Precision,
+    /// The kernel of the linear layers' base products on a GPU (auto: ours on a software GPU,
+    /// Burn's on a hardware one; wgsl needs a GPU device).
+    #[arg(long, value_enum, default_value = "auto")]
+    linear_kernel: LinearKernel,
 }
 
 /// Runs `mmlora encode`.
@@ -67,6 +72,7 @@ pub fn run(args: EncodeArgs) -> Result<(), CliError> {
             .max_cpu_adapters
             .max(args.max_loras),
         precision: args.precision,
+        linear_kernel: args.linear_kernel,
         ..EngineOptions::default()
     };
     let started = Instant::now();

@@ -33,6 +33,7 @@ use crate::mapping::{
     AdapterRequest, EncoderCache, LoraState, MappingError, MmFeature, Modality, PlaceholderRange,
     SpatialMergeCounts, set_active_mm_loras,
 };
+use crate::model::gemm::LinearKernel;
 use crate::model::qwen2_vl::{ModelError, Qwen2VlVision, VisionConfig};
 use crate::preprocess::{Patches, PreprocessConfig, PreprocessError, load_image, preprocess};
 use plan::{PlanItem, plan_steps};
@@ -51,6 +52,8 @@ pub struct EngineOptions {
     pub max_step_rows: usize,
     /// The float type the model computes in (f16 only on a GPU that has it).
     pub precision: Precision,
+    /// Which kernel computes the linear layers' base products on a GPU.
+    pub linear_kernel: LinearKernel,
 }
 
 impl Default for EngineOptions {
@@ -61,6 +64,7 @@ impl Default for EngineOptions {
             max_cpu_adapters: 32,
             max_step_rows: 16_384,
             precision: Precision::F32,
+            linear_kernel: LinearKernel::Auto,
         }
     }
 }
@@ -283,8 +287,10 @@ impl Engine {
         if let Some(limit) = device.buffer_limit {
             model.set_buffer_limit(limit.min(model.buffer_limit()));
         }
+        let mut model = model.cast(options.precision.dtype());
+        model.set_linear_kernel(options.linear_kernel.resolve(&device));
         Ok(Self {
-            model: model.cast(options.precision.dtype()),
+            model,
             preprocess,
             device,
             registry: AdapterRegistry::new(options.max_cpu_adapters),
@@ -840,6 +846,8 @@ fn check_options(options: &EngineOptions, device: &RuntimeDevice) -> Result<(), 
             options.precision.name(),
             device.description
         ))
+    } else if options.linear_kernel == LinearKernel::Wgsl && device.wgpu.is_none() {
+        Some("the WGSL linear kernel needs a GPU device; the CPU backend has its own".to_owned())
     } else {
         None
     };

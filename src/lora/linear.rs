@@ -3,6 +3,7 @@
 use burn::tensor::{DType, Tensor};
 
 use super::ops::{LoraBatch, LoraOpError, LoraSlice, lora_apply};
+use crate::model::gemm::{LinearKernel, linear, materialize};
 
 /// A base linear plus the adapters stacked in its slots (none until adapters are activated).
 #[derive(Debug, Clone)]
@@ -13,15 +14,19 @@ pub struct LoraLinear {
     bias: Option<Tensor<1>>,
     /// The stacked adapters, one slice covering the whole output (packed `qkv` included).
     lora: Option<LoraSlice>,
+    /// Which kernel computes `x·Wᵀ + b` (`Burn` until [`Self::set_kernel`]).
+    kernel: LinearKernel,
 }
 
 impl LoraLinear {
-    /// A layer from a checkpoint's `weight` (`[out, in]`) and `bias`.
+    /// A layer from a checkpoint's `weight` (`[out, in]`) and `bias`. `Wᵀ` is laid out row by
+    /// row once here (on a GPU; both linear kernels read it so).
     pub fn new(weight: Tensor<2>, bias: Option<Tensor<1>>) -> Self {
         Self {
-            weight_t: weight.transpose(),
+            weight_t: materialize(weight.transpose()),
             bias,
             lora: None,
+            kernel: LinearKernel::Burn,
         }
     }
 
@@ -37,7 +42,13 @@ impl LoraLinear {
             weight_t: self.weight_t.cast(dtype),
             bias: self.bias.map(|b| b.cast(dtype)),
             lora: self.lora.map(|slice| cast_slice(slice, dtype)),
+            kernel: self.kernel,
         }
+    }
+
+    /// Computes `x·Wᵀ + b` with `kernel` (resolved: [`LinearKernel::resolve`]).
+    pub fn set_kernel(&mut self, kernel: LinearKernel) {
+        self.kernel = kernel;
     }
 
     /// Installs the stacked adapter weights (`None`: no adapter in any slot), in the layer's
@@ -49,10 +60,7 @@ impl LoraLinear {
 
     /// The layer on `x` (`[rows, in]`), each row with the adapter of its slot in `batch`.
     pub fn forward(&self, x: Tensor<2>, batch: &LoraBatch) -> Result<Tensor<2>, LoraOpError> {
-        let mut y = x.clone().matmul(self.weight_t.clone());
-        if let Some(bias) = &self.bias {
-            y = y + bias.clone().unsqueeze();
-        }
+        let y = linear(x.clone(), &self.weight_t, self.bias.as_ref(), self.kernel);
         match &self.lora {
             Some(slice) => lora_apply(x, y, std::slice::from_ref(slice), batch),
             None => Ok(y),

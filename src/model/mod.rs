@@ -2,4 +2,5 @@
 
 pub mod activation;
 pub mod checkpoint;
+pub mod gemm;
 pub mod qwen2_vl;

@@ -14,7 +14,7 @@
 
 pub mod native;
 #[cfg(test)]
-mod testing;
+pub(crate) mod testing;
 pub mod wgsl;
 
 use std::sync::Arc;

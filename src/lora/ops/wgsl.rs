@@ -14,6 +14,7 @@
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::wgpu::{CubeBackend, CubeTensor, KernelSource, SourceKernel, SourceTemplate};
 use burn::tensor::DType;
+use burn_cubecl::cubecl::ir::attributes::BufferIOAttr;
 use burn_cubecl::cubecl::prelude::KernelId;
 use burn_cubecl::cubecl::server::{KernelArguments, MetadataBindingInfo};
 use burn_cubecl::cubecl::{CubeCount, CubeDim};
@@ -139,7 +140,7 @@ impl Elem {
     pub const ALL: [Elem; 2] = [Elem::F32, Elem::F16];
 
     /// The element type of a tensor of `dtype` (the op accepts no other).
-    fn of(dtype: DType) -> Self {
+    pub(crate) fn of(dtype: DType) -> Self {
         match dtype {
             DType::F16 => Elem::F16,
             _ => Elem::F32,
@@ -147,7 +148,7 @@ impl Elem {
     }
 
     /// The WGSL type name.
-    fn wgsl(self) -> &'static str {
+    pub(crate) fn wgsl(self) -> &'static str {
         match self {
             Elem::F32 => "f32",
             Elem::F16 => "f16",
@@ -155,7 +156,7 @@ impl Elem {
     }
 
     /// The directive the type needs at the top of a module.
-    fn enable(self) -> &'static str {
+    pub(crate) fn enable(self) -> &'static str {
         match self {
             Elem::F32 => "",
             Elem::F16 => "enable f16;",
@@ -220,15 +221,46 @@ fn uniform_words(params: &[u32]) -> MetadataBindingInfo {
     MetadataBindingInfo::custom(words)
 }
 
-/// Launches `kernel` on `workgroups` (x, y) with `buffers` bound in order and `params` in the
-/// trailing uniform.
-fn launch(kernel: LoraKernel, workgroups: (u32, u32), buffers: [&CubeTensor; 5], params: &[u32]) {
-    let arguments = buffers
+/// Binds `buffers` in order, each declared with what the kernel does with it, and `params` in
+/// the trailing uniform.
+///
+/// The declarations matter when a launch fails (a buffer the device cannot hold): cubecl then
+/// marks every buffer the kernel may write as carrying the failure, and refuses later kernels
+/// that read one. Left undeclared, a buffer counts as written, and weights that were only read
+/// (the model's, the adapters') would refuse every later step.
+pub(crate) fn arguments(
+    buffers: &[(&CubeTensor, BufferIOAttr)],
+    params: &[u32],
+) -> KernelArguments {
+    buffers
         .iter()
-        .fold(KernelArguments::new(), |args, tensor| {
-            args.with_buffer(tensor.handle.clone().binding())
+        .fold(KernelArguments::new(), |args, (tensor, io)| {
+            args.with_buffer_io(tensor.handle.clone().binding(), *io)
         })
-        .with_info(uniform_words(params));
+        .with_info(uniform_words(params))
+}
+
+/// Launches `kernel` on `workgroups` (x, y) with `buffers` bound in order: four read, the last
+/// written (`output_io`); `params` in the trailing uniform.
+fn launch(
+    kernel: LoraKernel,
+    workgroups: (u32, u32),
+    buffers: [&CubeTensor; 5],
+    output_io: BufferIOAttr,
+    params: &[u32],
+) {
+    let [a, b, c, d, output] = buffers;
+    let read = BufferIOAttr::ReadOnly;
+    let arguments = arguments(
+        &[
+            (a, read),
+            (b, read),
+            (c, read),
+            (d, read),
+            (output, output_io),
+        ],
+        params,
+    );
     buffers[0].client.launch(
         Box::new(SourceKernel::new(kernel, CubeDim::new_1d(WORKGROUP))),
         CubeCount::Static(workgroups.0, workgroups.1, 1),
@@ -287,6 +319,7 @@ impl LoraBackend for CubeBackend {
                 kernel(shrink),
                 (tiles_here, (rank as u32).div_ceil(rank_tile)),
                 [&x, &a, &sorted_tokens, &tiles, &shrunk],
+                BufferIOAttr::WriteOnly,
                 &[in_features as u32, rank as u32, tile_base as u32],
             );
             launch(
@@ -296,6 +329,8 @@ impl LoraBackend for CubeBackend {
                     (out_features as u32).div_ceil(expand.columns() * WORKGROUP),
                 ),
                 [&shrunk, &b, &sorted_tokens, &tiles, &output],
+                // Rows' deltas are added to what is there.
+                BufferIOAttr::ReadWrite,
                 &[
                     out_features as u32,
                     rank as u32,
@@ -313,6 +348,7 @@ impl LoraBackend for CubeBackend {
 mod tests {
     use super::super::testing::{
         Problem, Reference, assert_matches, check_f16, problems, reference, to_f64,
+        validate_and_translate,
     };
     use super::super::{LoraSlice, lora_apply};
     use super::*;
@@ -444,12 +480,9 @@ mod tests {
     }
 
     /// Every shader parses and validates with naga, in every specialisation the runtime uses,
-    /// and translates to SPIR-V, MSL and HLSL.
+    /// and translates to SPIR-V, MSL and HLSL; no file under `shaders/` goes unchecked.
     #[test]
     fn shaders_validate_and_translate_to_every_backend() {
-        use naga::back::{hlsl, msl, spv};
-        use naga::valid::{Capabilities, ValidationFlags, Validator};
-
         let on_disk: Vec<String> =
             std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/shaders"))
                 .unwrap()
@@ -457,38 +490,15 @@ mod tests {
                 .collect();
         for file in &on_disk {
             assert!(
-                LoraShader::ALL.iter().any(|s| s.file_name() == file),
+                LoraShader::ALL.iter().any(|s| s.file_name() == file)
+                    || file == crate::model::gemm::SHADER_FILE,
                 "shaders/{file} is not a kernel the runtime knows, so it is never checked"
             );
         }
         for shader in LoraShader::ALL {
             for (rank_tile, elem) in rank_tiles().flat_map(|t| Elem::ALL.map(|e| (t, e))) {
-                let source = shader.render(rank_tile, elem);
                 let what = format!("{} (rank tile {rank_tile}, {elem:?})", shader.file_name());
-                let module = naga::front::wgsl::parse_str(&source)
-                    .unwrap_or_else(|e| panic!("{what}: {}", e.emit_to_string(&source)));
-                let info = Validator::new(ValidationFlags::all(), Capabilities::all())
-                    .validate(&module)
-                    .unwrap_or_else(|e| panic!("{what}: {e:?}"));
-                spv::write_vec(&module, &info, &spv::Options::default(), None)
-                    .unwrap_or_else(|e| panic!("{what} to SPIR-V: {e}"));
-                let mut msl_out = String::new();
-                msl::Writer::new(&mut msl_out)
-                    .write(
-                        &module,
-                        &info,
-                        &msl::Options::default(),
-                        &msl::PipelineOptions::default(),
-                    )
-                    .unwrap_or_else(|e| panic!("{what} to MSL: {e}"));
-                let mut hlsl_out = String::new();
-                hlsl::Writer::new(
-                    &mut hlsl_out,
-                    &hlsl::Options::default(),
-                    &hlsl::PipelineOptions::default(),
-                )
-                .write(&module, &info, None)
-                .unwrap_or_else(|e| panic!("{what} to HLSL: {e}"));
+                validate_and_translate(&shader.render(rank_tile, elem), &what);
             }
         }
     }

@@ -15,6 +15,7 @@ use crate::lora::linear::LoraLinear;
 use crate::lora::ops::{LoraBatch, LoraOpError};
 use crate::model::activation::quick_gelu;
 use crate::model::checkpoint::{Checkpoint, CheckpointError};
+use crate::model::gemm::LinearKernel;
 pub use config::{ConfigError, LoraTarget, VisionConfig};
 
 /// LayerNorm epsilon of every norm in the tower and merger.
@@ -227,6 +228,23 @@ impl Qwen2VlVision {
             dtype,
             ..self
         }
+    }
+
+    /// Computes every linear's base product with `kernel` (resolved for the model's device:
+    /// [`LinearKernel::resolve`]).
+    pub fn set_linear_kernel(&mut self, kernel: LinearKernel) {
+        for block in &mut self.blocks {
+            for layer in [
+                &mut block.qkv,
+                &mut block.proj,
+                &mut block.fc1,
+                &mut block.fc2,
+            ] {
+                layer.set_kernel(kernel);
+            }
+        }
+        self.merger.mlp0.set_kernel(kernel);
+        self.merger.mlp2.set_kernel(kernel);
     }
 
     /// The model's shape.

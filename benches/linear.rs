@@ -1,0 +1,67 @@
+//! The linear layers' base product `x · Wᵀ + b` on the GPU wgpu finds: Burn's matmul and add
+//! against our kernel (`shaders/linear.wgsl`), at each linear shape of Qwen2-VL-2B's tower and
+//! merger, 512 rows (8 images of 112²). `cargo bench --bench linear`.
+
+use std::time::Duration;
+
+use burn::tensor::{Distribution, Tensor};
+use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
+use mmlora::bench::op::timed;
+use mmlora::device;
+use mmlora::model::gemm::{LinearKernel, linear, materialize};
+
+/// `(name, in, out)` of each linear of the 2B shape.
+const LAYERS: [(&str, usize, usize); 6] = [
+    ("attn.qkv", 1280, 3840),
+    ("attn.proj", 1280, 1280),
+    ("mlp.fc1", 1280, 5120),
+    ("mlp.fc2", 5120, 1280),
+    ("merger.mlp.0", 5120, 5120),
+    ("merger.mlp.2", 5120, 1536),
+];
+
+const ROWS: usize = 512;
+
+fn linears(c: &mut Criterion) {
+    let gpu = match device::gpu() {
+        Ok(gpu) => gpu,
+        Err(error) => {
+            eprintln!("no GPU benchmark: {error}");
+            return;
+        }
+    };
+    eprintln!("gpu: {}", gpu.description);
+    let d = &gpu.device;
+    for (name, in_features, out_features) in LAYERS {
+        // The merger's linears see a quarter of the rows (2×2 patches merged).
+        let rows = if name.starts_with("merger") {
+            ROWS / 4
+        } else {
+            ROWS
+        };
+        let uniform = Distribution::Uniform(-1.0, 1.0);
+        let x = Tensor::<2>::random([rows, in_features], uniform, d);
+        let weight = Tensor::<2>::random([out_features, in_features], uniform, d);
+        let weight_t = materialize(weight.transpose());
+        let bias = Tensor::<1>::random([out_features], uniform, d);
+        let mut group = c.benchmark_group(format!("{name}_{rows}x{in_features}x{out_features}"));
+        group
+            .sampling_mode(SamplingMode::Flat)
+            .sample_size(10)
+            .warm_up_time(Duration::from_secs(2))
+            .measurement_time(Duration::from_secs(10));
+        for kernel in [LinearKernel::Burn, LinearKernel::Wgsl] {
+            group.bench_function(kernel.name(), |bench| {
+                bench.iter_custom(|n| {
+                    timed(&gpu, n, || {
+                        linear(x.clone(), &weight_t, Some(&bias), kernel)
+                    })
+                })
+            });
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, linears);
+criterion_main!(benches);

@@ -1,0 +1,480 @@
+//! The linear layers' base product, `x · Wᵀ + b`, as a backend extension.
+//!
+//! Burn's matmul reaches about 6 GMAC/s on lavapipe (llvmpipe): there every load whose address
+//! differs between invocations is a loop over the SIMD lanes, and its kernels load often. Our
+//! kernel (`shaders/linear.wgsl`) gives each workgroup a block of rows, so every thread shares
+//! the block's `x` loads (uniform: read once and broadcast), and each weight load feeds
+//! [`ROWS`] · 4 multiply-adds. [`linear`] takes it where [`LinearKernel`] says; Flex and the
+//! other cases keep Burn's matmul and add ([`composed`]).
+
+use burn::backend::TensorMetadata;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::wgpu::{CubeBackend, KernelSource, SourceKernel, SourceTemplate};
+use burn::backend::{Backend, Dispatch, Flex, backend_extension};
+use burn::tensor::{Shape, Tensor};
+use burn_cubecl::cubecl::ir::attributes::BufferIOAttr;
+use burn_cubecl::cubecl::prelude::KernelId;
+use burn_cubecl::cubecl::{CubeCount, CubeDim};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+
+use crate::device::RuntimeDevice;
+use crate::lora::ops::wgsl::{Elem, arguments};
+
+/// Invocations per workgroup (`{{ workgroup }}`).
+pub const WORKGROUP: u32 = 64;
+
+/// Rows each workgroup computes (`{{ rows }}`): the multiply-adds per weight load, over 4.
+pub const ROWS: u32 = 64;
+
+/// `vec4` columns each thread computes (`{{ columns }}`).
+pub const COLUMNS: u32 = 2;
+
+/// The kernel's file under `shaders/`.
+pub const SHADER_FILE: &str = "linear.wgsl";
+
+/// Most workgroups one dispatch dimension may have (WebGPU's default limit).
+const MAX_WORKGROUPS_PER_DIM: u32 = 65_535;
+
+/// Which kernel computes a linear layer's base product on a wgpu device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LinearKernel {
+    /// Ours on a software rasterizer (lavapipe), where it is measured faster; Burn's on a
+    /// hardware GPU.
+    #[default]
+    Auto,
+    /// Burn's matmul, then the bias added.
+    Burn,
+    /// `shaders/linear.wgsl`, where every width is a multiple of 4 (else Burn's).
+    Wgsl,
+}
+
+/// Linear layers' products with a faster implementation than Burn's on some backend.
+#[backend_extension(Cube, Flex, Fusion)]
+pub trait LinearBackend: Backend {
+    /// `x · weight_t + bias` for `x`: `[rows, in]`, `weight_t`: `[in, out]`, `bias`: `[out]`,
+    /// all of one dtype, every width a multiple of 4.
+    #[fusion(dtype = x, shape = Shape::from([x[0], weight_t[1]]))]
+    fn linear_wgsl(
+        x: FloatTensor<Self>,
+        weight_t: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        composed::<Self>(x, weight_t, bias)
+    }
+
+    /// `x` laid out row by row: a copy where it is a strided view, such as a transpose.
+    #[fusion(dtype = x, shape = x)]
+    fn materialize(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        x
+    }
+}
+
+/// `x` laid out row by row on the wgpu backend (our kernel reads nothing else); unchanged on
+/// Flex, whose matmul reads strides.
+pub fn materialize(x: Tensor<2>) -> Tensor<2> {
+    Tensor::from_dispatch(<Dispatch as LinearBackend>::materialize(x.into_dispatch()))
+}
+
+/// `x · weight_t + bias` from Burn's matmul and add, on any backend.
+pub fn composed<B: Backend>(
+    x: FloatTensor<B>,
+    weight_t: FloatTensor<B>,
+    bias: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let out = bias.shape()[0];
+    let bias = B::float_reshape(bias, Shape::from([1, out]));
+    B::float_add(B::float_matmul(x, weight_t), bias)
+}
+
+impl LinearKernel {
+    /// The name the command line and the bench records use.
+    pub fn name(self) -> &'static str {
+        match self {
+            LinearKernel::Auto => "auto",
+            LinearKernel::Burn => "burn",
+            LinearKernel::Wgsl => "wgsl",
+        }
+    }
+
+    /// The kernel `self` picks on `device`: `Burn` or `Wgsl`, never `Auto`.
+    pub fn resolve(self, device: &RuntimeDevice) -> Self {
+        match self {
+            LinearKernel::Auto if device.wgpu.is_some() && !device.hardware_gpu => {
+                LinearKernel::Wgsl
+            }
+            LinearKernel::Auto => LinearKernel::Burn,
+            chosen => chosen,
+        }
+    }
+}
+
+/// `x · weight_t (+ bias)`: with our kernel where `kernel` is `Wgsl`, `x` is on a wgpu device,
+/// there is a bias and every width is a multiple of 4; with Burn's matmul otherwise (`Auto`
+/// included: [`LinearKernel::resolve`] it first).
+pub fn linear(
+    x: Tensor<2>,
+    weight_t: &Tensor<2>,
+    bias: Option<&Tensor<1>>,
+    kernel: LinearKernel,
+) -> Tensor<2> {
+    let [_, in_features] = x.dims();
+    let [_, out_features] = weight_t.dims();
+    match bias {
+        Some(bias)
+            if kernel == LinearKernel::Wgsl
+                && in_features.is_multiple_of(4)
+                && out_features.is_multiple_of(4) =>
+        {
+            Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_wgsl(
+                x.into_dispatch(),
+                weight_t.clone().into_dispatch(),
+                bias.clone().into_dispatch(),
+            ))
+        }
+        Some(bias) => x.matmul(weight_t.clone()) + bias.clone().unsqueeze(),
+        None => x.matmul(weight_t.clone()),
+    }
+}
+
+impl LinearBackend for Flex {}
+
+impl LinearBackend for CubeBackend {
+    fn materialize(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        into_contiguous(x)
+    }
+
+    fn linear_wgsl(
+        x: FloatTensor<Self>,
+        weight_t: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let x = into_contiguous(x);
+        let weight_t = into_contiguous(weight_t);
+        let bias = into_contiguous(bias);
+        let [rows, in_features] = [x.meta.shape()[0], x.meta.shape()[1]];
+        let out_features = weight_t.meta.shape()[1];
+        let y = empty_device_contiguous_dtype(
+            x.client.clone(),
+            x.device.clone(),
+            [rows, out_features].into(),
+            x.dtype,
+        );
+        if rows == 0 {
+            return y;
+        }
+        let kernel = LinearShader {
+            elem: Elem::of(x.dtype),
+        };
+        let column_blocks = (out_features as u32 / 4).div_ceil(WORKGROUP * COLUMNS);
+        let row_blocks = (rows as u32).div_ceil(ROWS);
+        // Row blocks beyond one dispatch's limit go in further launches, each on its own rows.
+        for first_block in (0..row_blocks).step_by(MAX_WORKGROUPS_PER_DIM as usize) {
+            let blocks = (row_blocks - first_block).min(MAX_WORKGROUPS_PER_DIM);
+            let read = BufferIOAttr::ReadOnly;
+            let arguments = arguments(
+                &[
+                    (&x, read),
+                    (&weight_t, read),
+                    (&bias, read),
+                    (&y, BufferIOAttr::WriteOnly),
+                ],
+                &[
+                    rows as u32,
+                    in_features as u32,
+                    out_features as u32,
+                    first_block * ROWS,
+                ],
+            );
+            x.client.launch(
+                Box::new(SourceKernel::new(kernel, CubeDim::new_1d(WORKGROUP))),
+                CubeCount::Static(column_blocks, blocks, 1),
+                arguments,
+            );
+        }
+        y
+    }
+}
+
+/// `shaders/linear.wgsl` for one element type.
+#[derive(Debug, Clone, Copy)]
+struct LinearShader {
+    elem: Elem,
+}
+
+impl KernelSource for LinearShader {
+    fn source(&self) -> SourceTemplate {
+        let [setup, load_weights, accumulate, store] = unrolled();
+        SourceTemplate::new(include_str!("../../shaders/linear.wgsl"))
+            .register("workgroup", WORKGROUP.to_string())
+            .register("rows", ROWS.to_string())
+            .register("columns", COLUMNS.to_string())
+            .register("elem", self.elem.wgsl())
+            .register("enable", self.elem.enable())
+            .register("setup", setup)
+            .register("load_weights", load_weights)
+            .register("accumulate", accumulate)
+            .register("store", store)
+    }
+
+    fn id(&self) -> KernelId {
+        KernelId::new::<Self>().info(self.elem)
+    }
+
+    fn lang(&self) -> &'static str {
+        "wgsl"
+    }
+}
+
+/// The statements `shaders/linear.wgsl` repeats for each of the [`ROWS`] rows and [`COLUMNS`]
+/// columns, written out with a variable each: `{{ setup }}`, `{{ load_weights }}`,
+/// `{{ accumulate }}` and `{{ store }}`.
+fn unrolled() -> [String; 4] {
+    let lines = |indent: &str, line: &dyn Fn(u32, u32) -> String, rows, columns| {
+        (0..rows)
+            .flat_map(|r| (0..columns).map(move |c| (r, c)))
+            .map(|(r, c)| format!("{indent}{}\n", line(r, c)))
+            .collect::<String>()
+    };
+    let setup = [
+        lines(
+            "    ",
+            &|_, c| format!("let col_{c} = min(column(workgroup.x, lid, {c}u), out4 - 1u);"),
+            1,
+            COLUMNS,
+        ),
+        lines(
+            "    ",
+            &|r, _| format!("let x_{r} = min(row0 + {r}u, params.rows - 1u) * in4;"),
+            ROWS,
+            1,
+        ),
+        lines(
+            "    ",
+            &|r, c| format!("var sum_{r}_{c} = vec4<f32>();"),
+            ROWS,
+            COLUMNS,
+        ),
+    ]
+    .concat();
+    let load_weights = lines(
+        "        ",
+        &|_, c| format!("let w_{c} = weights(4u * k4 * out4 + col_{c}, out4);"),
+        1,
+        COLUMNS,
+    );
+    let accumulate = lines(
+        "        ",
+        &|r, _| {
+            let adds: String = (0..COLUMNS)
+                .map(|c| format!(" sum_{r}_{c} += w_{c} * v;"))
+                .collect();
+            format!("{{ let v = vec4<f32>(x[x_{r} + k4]);{adds} }}")
+        },
+        ROWS,
+        1,
+    );
+    let store = [
+        lines(
+            "    ",
+            &|_, c| format!("let b_{c} = vec4<f32>(bias[col_{c}]);"),
+            1,
+            COLUMNS,
+        ),
+        lines(
+            "    ",
+            &|r, c| {
+                format!(
+                    "if (row0 + {r}u < params.rows && column(workgroup.x, lid, {c}u) < out4) \
+                     {{ y[(row0 + {r}u) * out4 + col_{c}] = vec4<ELEM>(sum_{r}_{c} + b_{c}); }}"
+                )
+            },
+            ROWS,
+            COLUMNS,
+        ),
+    ]
+    .concat();
+    [setup, load_weights, accumulate, store]
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{DType, Distribution, TensorData};
+
+    use super::*;
+    use crate::device;
+    use crate::lora::ops::testing::{to_f64, validate_and_translate};
+
+    /// Unit roundoff of f32 and of f16.
+    const U: f64 = f32::EPSILON as f64 / 2.0;
+    const U16: f64 = 1.0 / 2048.0;
+
+    /// A random linear on the CPU in `dtype`: `x` `[rows, in]`, `weight` `[out, in]`, `bias`.
+    fn random(
+        rows: usize,
+        in_features: usize,
+        out_features: usize,
+        dtype: DType,
+    ) -> (Tensor<2>, Tensor<2>, Tensor<1>) {
+        let cpu = device::cpu().device;
+        let uniform = Distribution::Uniform(-1.0, 1.0);
+        (
+            Tensor::<2>::random([rows, in_features], uniform, &cpu).cast(dtype),
+            Tensor::<2>::random([out_features, in_features], uniform, &cpu).cast(dtype),
+            Tensor::<1>::random([out_features], uniform, &cpu).cast(dtype),
+        )
+    }
+
+    /// `x · weightᵀ + bias` in float64, and for each value Higham's bound on the error of an
+    /// f32 sum of its `in + 1` terms: γ(in + 1) · (Σ |x·w| + |b|).
+    fn reference(x: &[f64], weight: &[f64], bias: &[f64], in_features: usize) -> [Vec<f64>; 2] {
+        let gamma = |n: usize| n as f64 * U / (1.0 - n as f64 * U);
+        let mut y = Vec::new();
+        let mut bound = Vec::new();
+        for row in x.chunks(in_features) {
+            for (w, b) in weight.chunks(in_features).zip(bias) {
+                let terms = row.iter().zip(w).map(|(x, w)| x * w);
+                y.push(terms.clone().sum::<f64>() + b);
+                let magnitude = terms.map(f64::abs).sum::<f64>() + b.abs();
+                bound.push(gamma(in_features + 1) * magnitude);
+            }
+        }
+        [y, bound]
+    }
+
+    /// Ours on `gpu` in `dtype` against float64 (of the inputs rounded to `dtype`), within the
+    /// bound of f32 sums; in f32 Burn's is within that bound too, so the two are within twice it
+    /// of each other (in f16 Burn's matmul sums in f16, so its error is larger).
+    fn check(
+        gpu: &device::RuntimeDevice,
+        rows: usize,
+        in_features: usize,
+        out_features: usize,
+        dtype: DType,
+    ) {
+        let (x, weight, bias) = random(rows, in_features, out_features, dtype);
+        let [expected, mut bound] = reference(
+            &to_f64(&x.clone().cast(DType::F32)),
+            &to_f64(&weight.clone().cast(DType::F32)),
+            &to_f64(&bias.clone().cast(DType::F32)),
+            in_features,
+        );
+        if dtype == DType::F16 {
+            // The f32 sum is rounded to f16 once at the end.
+            for (bound, y) in bound.iter_mut().zip(&expected) {
+                *bound = *bound * (1.0 + U16) + U16 * y.abs();
+            }
+        }
+        let d = &gpu.device;
+        let (x, weight, bias) = (x.to_device(d), weight.to_device(d), bias.to_device(d));
+        let ours = linear(
+            x.clone(),
+            &materialize(weight.clone().transpose()),
+            Some(&bias),
+            LinearKernel::Wgsl,
+        );
+        let burns = linear(x, &weight.transpose(), Some(&bias), LinearKernel::Burn);
+        let [ours, burns] = [ours, burns].map(|y| to_f64(&y.cast(DType::F32)));
+        for (i, (((ours, burns), expected), bound)) in ours
+            .iter()
+            .zip(&burns)
+            .zip(&expected)
+            .zip(&bound)
+            .enumerate()
+        {
+            let (row, col) = (i / out_features, i % out_features);
+            let at = format!("{rows}×{in_features}→{out_features} {dtype:?}, y[{row}, {col}]");
+            assert!(
+                (ours - expected).abs() <= *bound,
+                "{at}: ours {ours} vs {expected} (bound {bound:e})"
+            );
+            assert!(
+                dtype == DType::F16 || (ours - burns).abs() <= 2.0 * bound,
+                "{at}: ours {ours} vs Burn's {burns} (bound {bound:e})"
+            );
+        }
+    }
+
+    /// Row counts around the row block, widths below, at and past one workgroup's columns, and
+    /// the shapes of Qwen2-VL-2B's linears.
+    #[test]
+    fn wgsl_matches_float64_and_burn() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        let block = ROWS as usize;
+        let block_columns = 4 * (WORKGROUP * COLUMNS) as usize;
+        for rows in [1, block - 1, block, block + 1, 3 * block + 5] {
+            for (in_features, out_features) in
+                [(4, 4), (36, block_columns + 4), (8, 2 * block_columns)]
+            {
+                check(&gpu, rows, in_features, out_features, DType::F32);
+            }
+        }
+        for (in_features, out_features) in [
+            (1280, 3840),
+            (1280, 1280),
+            (1280, 5120),
+            (5120, 1280),
+            (5120, 1536),
+        ] {
+            check(&gpu, block + 3, in_features, out_features, DType::F32);
+        }
+        if gpu.supports(crate::device::Precision::F16) {
+            for (rows, in_features, out_features) in [(block + 3, 1280, 3840), (5, 36, 516)] {
+                check(&gpu, rows, in_features, out_features, DType::F16);
+            }
+        }
+    }
+
+    /// More row blocks than one dispatch may have: the rows past the first launch come out of
+    /// the second one, right.
+    #[test]
+    fn rows_beyond_one_dispatch() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        let rows = MAX_WORKGROUPS_PER_DIM as usize * ROWS as usize + 5;
+        let d = &gpu.device;
+        let x: Vec<f32> = (0..rows * 4).map(|i| (i % 7) as f32 - 3.0).collect();
+        let x = Tensor::<2>::from_data(TensorData::new(x, [rows, 4]), d);
+        let weight_t = Tensor::<2>::from_data(
+            TensorData::new((0..16).map(|i| i as f32).collect::<Vec<f32>>(), [4, 4]),
+            d,
+        );
+        let bias = Tensor::<1>::from_data([0.5f32, -0.5, 1.0, 2.0], d);
+        let ours = linear(x.clone(), &weight_t, Some(&bias), LinearKernel::Wgsl);
+        let burns = linear(x, &weight_t, Some(&bias), LinearKernel::Burn);
+        // Small integers and halves: both sums are exact.
+        ours.into_data().assert_eq(&burns.into_data(), true);
+    }
+
+    #[test]
+    fn auto_takes_ours_on_a_software_gpu_only() {
+        assert_eq!(
+            LinearKernel::Auto.resolve(&device::cpu()),
+            LinearKernel::Burn
+        );
+        assert_eq!(
+            LinearKernel::Wgsl.resolve(&device::cpu()),
+            LinearKernel::Wgsl
+        );
+        if let Some(gpu) = device::gpu_for_tests() {
+            let expected = if gpu.hardware_gpu {
+                LinearKernel::Burn
+            } else {
+                LinearKernel::Wgsl
+            };
+            assert_eq!(LinearKernel::Auto.resolve(&gpu), expected);
+            assert_eq!(LinearKernel::Burn.resolve(&gpu), LinearKernel::Burn);
+        }
+    }
+
+    #[test]
+    fn shader_validates_and_translates_to_every_backend() {
+        for elem in Elem::ALL {
+            let source = LinearShader { elem }.source().complete();
+            validate_and_translate(&source, &format!("{SHADER_FILE} ({elem:?})"));
+        }
+    }
+}
