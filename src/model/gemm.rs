@@ -1,11 +1,11 @@
 //! The linear layers' base product, `x · Wᵀ + b`, as a backend extension.
 //!
-//! Burn's matmul reaches about 6 GMAC/s on lavapipe (llvmpipe): there every load whose address
-//! differs between invocations is a loop over the SIMD lanes, and its kernels load often. Our
-//! kernel (`shaders/linear.wgsl`) gives each workgroup a block of rows, so every thread shares
-//! the block's `x` loads (uniform: read once and broadcast), and each weight load feeds
-//! [`ROWS`] · 4 multiply-adds. [`linear`] takes it where [`LinearKernel`] says; Flex and the
-//! other cases keep Burn's matmul and add ([`composed`]).
+//! Burn's matmul reaches about 6 GMAC/s on lavapipe (llvmpipe), where every load from a storage
+//! buffer is a loop over the SIMD lanes, so a kernel's speed is the multiply-adds per load. Our
+//! kernel (`shaders/linear.wgsl`) gives each thread [`ROWS`] rows and [`COLUMNS`] `vec4`
+//! columns, so a weight load feeds `ROWS · 4` multiply-adds and an `x` load `COLUMNS · 16`; it
+//! runs the 2B tower's linears 1.0–1.9× faster there (BENCHMARKS.md). [`linear`] takes it where
+//! [`LinearKernel`] says; elsewhere, and on Flex always, Burn's matmul and add ([`composed`]).
 
 use burn::backend::TensorMetadata;
 use burn::backend::tensor::FloatTensor;
@@ -109,9 +109,10 @@ impl LinearKernel {
     }
 }
 
-/// `x · weight_t (+ bias)`: with our kernel where `kernel` is `Wgsl`, `x` is on a wgpu device,
-/// there is a bias and every width is a multiple of 4; with Burn's matmul otherwise (`Auto`
-/// included: [`LinearKernel::resolve`] it first).
+/// `x · weight_t (+ bias)`: with our kernel where `kernel` is `Wgsl`, there is a bias, every
+/// width is a multiple of 4 and `x` is on a wgpu device (on Flex the extension is Burn's
+/// matmul and add); with Burn's matmul otherwise (`Auto` included: [`LinearKernel::resolve`]
+/// it first).
 pub fn linear(
     x: Tensor<2>,
     weight_t: &Tensor<2>,
