@@ -231,71 +231,59 @@ impl KernelSource for LinearShader {
 /// columns, written out with a variable each: `{{ setup }}`, `{{ load_weights }}`,
 /// `{{ accumulate }}` and `{{ store }}`.
 fn unrolled() -> [String; 4] {
-    let lines = |indent: &str, line: &dyn Fn(u32, u32) -> String, rows, columns| {
-        (0..rows)
-            .flat_map(|r| (0..columns).map(move |c| (r, c)))
-            .map(|(r, c)| format!("{indent}{}\n", line(r, c)))
+    let columns = |line: &dyn Fn(u32) -> String| (0..COLUMNS).map(line).collect::<Vec<_>>();
+    let rows = |line: &dyn Fn(u32) -> String| (0..ROWS).map(line).collect::<Vec<_>>();
+    let cells = |line: &dyn Fn(u32, u32) -> String| {
+        (0..ROWS)
+            .flat_map(|r| (0..COLUMNS).map(move |c| line(r, c)))
+            .collect::<Vec<_>>()
+    };
+    let block = |indent: &str, parts: &[Vec<String>]| {
+        parts
+            .concat()
+            .iter()
+            .map(|line| format!("{indent}{line}\n"))
             .collect::<String>()
     };
-    let setup = [
-        lines(
+    [
+        block(
             "    ",
-            &|_, c| format!("let col_{c} = min(column(workgroup.x, lid, {c}u), out4 - 1u);"),
-            1,
-            COLUMNS,
+            &[
+                columns(&|c| {
+                    format!("let col_{c} = min(column(workgroup.x, lid, {c}u), out4 - 1u);")
+                }),
+                rows(&|r| format!("let x_{r} = min(row0 + {r}u, params.rows - 1u) * in4;")),
+                cells(&|r, c| format!("var sum_{r}_{c} = vec4<f32>();")),
+            ],
         ),
-        lines(
-            "    ",
-            &|r, _| format!("let x_{r} = min(row0 + {r}u, params.rows - 1u) * in4;"),
-            ROWS,
-            1,
+        block(
+            "        ",
+            &[columns(&|c| {
+                format!("let w_{c} = weights(4u * k4 * out4 + col_{c}, out4);")
+            })],
         ),
-        lines(
-            "    ",
-            &|r, c| format!("var sum_{r}_{c} = vec4<f32>();"),
-            ROWS,
-            COLUMNS,
+        block(
+            "        ",
+            &[rows(&|r| {
+                let adds: String = (0..COLUMNS)
+                    .map(|c| format!(" sum_{r}_{c} += w_{c} * v;"))
+                    .collect();
+                format!("{{ let v = vec4<f32>(x[x_{r} + k4]);{adds} }}")
+            })],
         ),
-    ]
-    .concat();
-    let load_weights = lines(
-        "        ",
-        &|_, c| format!("let w_{c} = weights(4u * k4 * out4 + col_{c}, out4);"),
-        1,
-        COLUMNS,
-    );
-    let accumulate = lines(
-        "        ",
-        &|r, _| {
-            let adds: String = (0..COLUMNS)
-                .map(|c| format!(" sum_{r}_{c} += w_{c} * v;"))
-                .collect();
-            format!("{{ let v = vec4<f32>(x[x_{r} + k4]);{adds} }}")
-        },
-        ROWS,
-        1,
-    );
-    let store = [
-        lines(
+        block(
             "    ",
-            &|_, c| format!("let b_{c} = vec4<f32>(bias[col_{c}]);"),
-            1,
-            COLUMNS,
-        ),
-        lines(
-            "    ",
-            &|r, c| {
-                format!(
-                    "if (row0 + {r}u < params.rows && column(workgroup.x, lid, {c}u) < out4) \
-                     {{ y[(row0 + {r}u) * out4 + col_{c}] = vec4<ELEM>(sum_{r}_{c} + b_{c}); }}"
-                )
-            },
-            ROWS,
-            COLUMNS,
+            &[
+                columns(&|c| format!("let b_{c} = vec4<f32>(bias[col_{c}]);")),
+                cells(&|r, c| {
+                    format!(
+                        "if (row0 + {r}u < params.rows && column(workgroup.x, lid, {c}u) < out4) \
+                         {{ y[(row0 + {r}u) * out4 + col_{c}] = vec4<ELEM>(sum_{r}_{c} + b_{c}); }}"
+                    )
+                }),
+            ],
         ),
     ]
-    .concat();
-    [setup, load_weights, accumulate, store]
 }
 
 #[cfg(test)]
