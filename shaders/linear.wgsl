@@ -7,8 +7,8 @@
 //
 // This is built for llvmpipe (lavapipe), where every load from a storage buffer is a loop over
 // the SIMD lanes, and the loads, not the arithmetic, set the speed: a weight load feeds
-// ROWS * 4 multiply-adds and an x load COLUMNS * 16. ROWS = 64 and COLUMNS = 2 were the fastest
-// of the shapes measured (BENCHMARKS.md). The statements per row and column are written out by
+// ROWS * 4 multiply-adds and an x load COLUMNS * 16. ROWS = 64, COLUMNS = 2 and WORKGROUP = 32
+// were the fastest of the shapes measured (BENCHMARKS.md). The statements per row and column are written out by
 // the runtime ({{ ... }} below), one variable each: llvmpipe keeps arrays indexed in loops in
 // memory, which costs more than the loads they save.
 //

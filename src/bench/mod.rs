@@ -81,7 +81,8 @@ pub struct BenchSpec {
     pub repeats: usize,
     /// The float type the model computes in.
     pub precision: Precision,
-    /// The linear layers' kernel (on a GPU the base also runs with the other one, to compare).
+    /// The linear layers' kernel. With `Auto` on a GPU the base also runs with the kernel `Auto`
+    /// did not pick, to compare them in one run.
     pub linear_kernel: LinearKernel,
 }
 
@@ -159,7 +160,7 @@ pub fn run(
     for &rank in &spec.ranks {
         configurations.extend(spec.adapters.iter().map(|&k| (k, rank, kernel)));
     }
-    if device.wgpu.is_some() {
+    if device.wgpu.is_some() && spec.linear_kernel == LinearKernel::Auto {
         let other = match kernel {
             LinearKernel::Wgsl => LinearKernel::Burn,
             _ => LinearKernel::Wgsl,

@@ -1,7 +1,7 @@
-//! The LoRA op alone, on one device: the base linear it rides on (with the kernel the engine
-//! would use), the base plus the op, and the
-//! base plus a naive gather-and-batched-matmul (each row's A and B gathered, two batched
-//! matmuls), at a preset's `attn.qkv` shape with the rows cycling through the adapters.
+//! The LoRA op alone, on one device: the base linear it rides on (with its bias, and the kernel
+//! the engine would use), the base plus the op, and the base plus a naive
+//! gather-and-batched-matmul (each row's A and B gathered, two batched matmuls), at a preset's
+//! `attn.qkv` shape with the rows cycling through the adapters.
 
 use std::time::{Duration, Instant};
 

@@ -41,7 +41,8 @@ pub struct BenchArgs {
     #[arg(long, value_enum, default_value = "f32")]
     precision: Precision,
     /// The kernel of the linear layers' base products on a GPU (auto: ours on a software GPU,
-    /// Burn's on a hardware one). On a GPU the base also runs with the other, to compare.
+    /// Burn's on a hardware one). With auto on a GPU the base also runs with the other, to
+    /// compare them in one run.
     #[arg(long, value_enum, default_value = "auto")]
     linear_kernel: LinearKernel,
     /// One JSON object per configuration instead of a table.

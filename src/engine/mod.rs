@@ -847,7 +847,10 @@ fn check_options(options: &EngineOptions, device: &RuntimeDevice) -> Result<(), 
             device.description
         ))
     } else if options.linear_kernel == LinearKernel::Wgsl && device.wgpu.is_none() {
-        Some("the WGSL linear kernel needs a GPU device; the CPU backend has its own".to_owned())
+        Some(
+            "the WGSL linear kernel needs a GPU device (the CPU backend uses Flex's matmul)"
+                .to_owned(),
+        )
     } else {
         None
     };

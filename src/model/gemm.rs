@@ -4,7 +4,7 @@
 //! buffer is a loop over the SIMD lanes, so a kernel's speed is the multiply-adds per load. Our
 //! kernel (`shaders/linear.wgsl`) gives each thread [`ROWS`] rows and [`COLUMNS`] `vec4`
 //! columns, so a weight load feeds `ROWS · 4` multiply-adds and an `x` load `COLUMNS · 16`; it
-//! runs the 2B tower's linears 1.0–1.9× faster there (BENCHMARKS.md). [`linear`] takes it where
+//! runs the 2B tower's linears 1.5–1.8× faster there (BENCHMARKS.md). [`linear`] takes it where
 //! [`LinearKernel`] says; elsewhere, and on Flex always, Burn's matmul and add ([`composed`]).
 
 use burn::backend::TensorMetadata;
@@ -21,8 +21,9 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use crate::device::RuntimeDevice;
 use crate::lora::ops::wgsl::{Elem, arguments};
 
-/// Invocations per workgroup (`{{ workgroup }}`).
-pub const WORKGROUP: u32 = 64;
+/// Invocations per workgroup (`{{ workgroup }}`). 32 makes a workgroup's block 256 columns,
+/// which divides every width of Qwen2-VL-2B's linears, and was faster than 16 or 64.
+pub const WORKGROUP: u32 = 32;
 
 /// Rows each workgroup computes (`{{ rows }}`): the multiply-adds per weight load, over 4.
 pub const ROWS: u32 = 64;
