@@ -242,7 +242,7 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, kind: &str, repeats: usize) -> Op
         rank: shape.rank,
         adapters: shape.adapters,
         precision: shape.precision.name().to_owned(),
-        linear_kernel: shape.linear_kernel.resolve(on).name().to_owned(),
+        linear_kernel: inputs.shape.linear_kernel.name().to_owned(),
         base_ms,
         lora_ms,
         naive_ms,

@@ -137,6 +137,7 @@ pub fn run(
         spec,
         device,
         device_kind,
+        linear_kernel: spec.linear_kernel.resolve(device),
         model: &model,
         requests: &requests,
     };
@@ -162,6 +163,8 @@ struct Sweep<'a> {
     spec: &'a ScaleSpec,
     device: &'a RuntimeDevice,
     device_kind: &'a str,
+    /// The spec's linear kernel, resolved for the device.
+    linear_kernel: LinearKernel,
     model: &'a Qwen2VlVision,
     requests: &'a [Request],
 }
@@ -250,10 +253,7 @@ impl Sweep<'_> {
         let mut engine = engine_with_adapters(
             self.model,
             self.device,
-            (
-                self.spec.precision,
-                self.spec.linear_kernel.resolve(self.device),
-            ),
+            (self.spec.precision, self.linear_kernel),
             slots,
             adapters,
             rank,
@@ -298,12 +298,7 @@ impl Sweep<'_> {
             slots: configuration.slots,
             steps: warm.steps,
             precision: self.spec.precision.name().to_owned(),
-            linear_kernel: self
-                .spec
-                .linear_kernel
-                .resolve(self.device)
-                .name()
-                .to_owned(),
+            linear_kernel: self.linear_kernel.name().to_owned(),
             median_ms,
             ms_per_image: median_ms / images as f64,
             img_per_s: images as f64 / (median_ms / 1e3),

@@ -9,17 +9,16 @@
 
 use burn::backend::TensorMetadata;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::wgpu::{CubeBackend, KernelSource, SourceKernel, SourceTemplate};
+use burn::backend::wgpu::{CubeBackend, KernelSource, SourceTemplate};
 use burn::backend::{Backend, Dispatch, Flex, backend_extension};
 use burn::tensor::{Shape, Tensor};
 use burn_cubecl::cubecl::ir::attributes::BufferIOAttr;
 use burn_cubecl::cubecl::prelude::KernelId;
-use burn_cubecl::cubecl::{CubeCount, CubeDim};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 use crate::device::RuntimeDevice;
-use crate::lora::ops::wgsl::{Elem, arguments};
+use crate::lora::ops::wgsl::{Elem, MAX_WORKGROUPS_PER_DIM, launch_wgsl};
 
 /// Invocations per workgroup (`{{ workgroup }}`). 32 makes a workgroup's block 256 columns,
 /// which divides every width of Qwen2-VL-2B's linears, and was faster than 16 or 64.
@@ -33,9 +32,6 @@ pub const COLUMNS: u32 = 2;
 
 /// The kernel's file under `shaders/`.
 pub const SHADER_FILE: &str = "linear.wgsl";
-
-/// Most workgroups one dispatch dimension may have (WebGPU's default limit).
-const MAX_WORKGROUPS_PER_DIM: u32 = 65_535;
 
 /// Which kernel computes a linear layer's base product on a wgpu device.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -174,7 +170,10 @@ impl LinearBackend for CubeBackend {
         for first_block in (0..row_blocks).step_by(MAX_WORKGROUPS_PER_DIM as usize) {
             let blocks = (row_blocks - first_block).min(MAX_WORKGROUPS_PER_DIM);
             let read = BufferIOAttr::ReadOnly;
-            let arguments = arguments(
+            launch_wgsl(
+                kernel,
+                WORKGROUP,
+                (column_blocks, blocks),
                 &[
                     (&x, read),
                     (&weight_t, read),
@@ -187,11 +186,6 @@ impl LinearBackend for CubeBackend {
                     out_features as u32,
                     first_block * ROWS,
                 ],
-            );
-            x.client.launch(
-                Box::new(SourceKernel::new(kernel, CubeDim::new_1d(WORKGROUP))),
-                CubeCount::Static(column_blocks, blocks, 1),
-                arguments,
             );
         }
         y

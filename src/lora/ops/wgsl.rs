@@ -30,7 +30,7 @@ pub const WORKGROUP: u32 = 64;
 pub const MAX_RANK_TILE: u32 = 32;
 
 /// Most workgroups one dispatch dimension may have (WebGPU's default limit).
-const MAX_WORKGROUPS_PER_DIM: usize = 65_535;
+pub(crate) const MAX_WORKGROUPS_PER_DIM: u32 = 65_535;
 
 /// The WGSL kernels of the op: a shader file, and for shrink how many columns one load reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -221,27 +221,36 @@ fn uniform_words(params: &[u32]) -> MetadataBindingInfo {
     MetadataBindingInfo::custom(words)
 }
 
-/// Binds `buffers` in order, each declared with what the kernel does with it, and `params` in
-/// the trailing uniform.
+/// Launches `kernel` with `workgroup_size` invocations per workgroup on `workgroups` (x, y),
+/// binding `buffers` in order, each declared with what the kernel does with it, and `params` in
+/// the trailing uniform. Every raw WGSL kernel of ours goes through here.
 ///
 /// The declarations matter when a launch fails (a buffer the device cannot hold): cubecl then
 /// marks every buffer the kernel may write as carrying the failure, and refuses later kernels
 /// that read one. Left undeclared, a buffer counts as written, and weights that were only read
 /// (the model's, the adapters') would refuse every later step.
-pub(crate) fn arguments(
+pub(crate) fn launch_wgsl<K: KernelSource + 'static>(
+    kernel: K,
+    workgroup_size: u32,
+    workgroups: (u32, u32),
     buffers: &[(&CubeTensor, BufferIOAttr)],
     params: &[u32],
-) -> KernelArguments {
-    buffers
+) {
+    let arguments = buffers
         .iter()
         .fold(KernelArguments::new(), |args, (tensor, io)| {
             args.with_buffer_io(tensor.handle.clone().binding(), *io)
         })
-        .with_info(uniform_words(params))
+        .with_info(uniform_words(params));
+    buffers[0].0.client.launch(
+        Box::new(SourceKernel::new(kernel, CubeDim::new_1d(workgroup_size))),
+        CubeCount::Static(workgroups.0, workgroups.1, 1),
+        arguments,
+    );
 }
 
-/// Launches `kernel` on `workgroups` (x, y) with `buffers` bound in order: four read, the last
-/// written (`output_io`); `params` in the trailing uniform.
+/// Launches an op kernel on `workgroups` (x, y) with `buffers` bound in order: four read, the
+/// last written (`output_io`); `params` in the trailing uniform.
 fn launch(
     kernel: LoraKernel,
     workgroups: (u32, u32),
@@ -251,21 +260,14 @@ fn launch(
 ) {
     let [a, b, c, d, output] = buffers;
     let read = BufferIOAttr::ReadOnly;
-    let arguments = arguments(
-        &[
-            (a, read),
-            (b, read),
-            (c, read),
-            (d, read),
-            (output, output_io),
-        ],
-        params,
-    );
-    buffers[0].client.launch(
-        Box::new(SourceKernel::new(kernel, CubeDim::new_1d(WORKGROUP))),
-        CubeCount::Static(workgroups.0, workgroups.1, 1),
-        arguments,
-    );
+    let buffers = [
+        (a, read),
+        (b, read),
+        (c, read),
+        (d, read),
+        (output, output_io),
+    ];
+    launch_wgsl(kernel, WORKGROUP, workgroups, &buffers, params);
 }
 
 impl LoraBackend for CubeBackend {
@@ -308,8 +310,9 @@ impl LoraBackend for CubeBackend {
             [rows, rank].into(),
             DType::F32,
         );
-        for tile_base in (0..n_tiles).step_by(MAX_WORKGROUPS_PER_DIM) {
-            let tiles_here = (n_tiles - tile_base).min(MAX_WORKGROUPS_PER_DIM) as u32;
+        let per_launch = MAX_WORKGROUPS_PER_DIM as usize;
+        for tile_base in (0..n_tiles).step_by(per_launch) {
+            let tiles_here = (n_tiles - tile_base).min(per_launch) as u32;
             let kernel = |shader| LoraKernel {
                 shader,
                 rank_tile,
