@@ -4,7 +4,8 @@
 //! The modules follow the data flow of one batch (see `DESIGN.md`):
 //! requests → [`mapping`] (which adapter each tower/connector row belongs to) →
 //! [`lora::meta`] (rows grouped by adapter slot) → [`lora::ops`] (each row's LoRA delta, on the
-//! CPU backend or in our WGSL kernels). [`device`] picks the backend.
+//! CPU backend or in our WGSL kernels). [`device`] picks the backend; [`wgsl`] launches our
+//! kernels on it.
 
 pub mod adapters;
 pub mod bench;
@@ -16,3 +17,4 @@ pub mod lora;
 pub mod mapping;
 pub mod model;
 pub mod preprocess;
+pub mod wgsl;

@@ -18,7 +18,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 use crate::device::RuntimeDevice;
-use crate::lora::ops::wgsl::{Elem, MAX_WORKGROUPS_PER_DIM, launch_wgsl};
+use crate::wgsl::{self, Elem, MAX_WORKGROUPS_PER_DIM};
 
 /// Invocations per workgroup (`{{ workgroup }}`). 32 makes a workgroup's block 256 columns,
 /// which divides every width of Qwen2-VL-2B's linears, and was faster than 16 or 64.
@@ -170,7 +170,7 @@ impl LinearBackend for CubeBackend {
         for first_block in (0..row_blocks).step_by(MAX_WORKGROUPS_PER_DIM as usize) {
             let blocks = (row_blocks - first_block).min(MAX_WORKGROUPS_PER_DIM);
             let read = BufferIOAttr::ReadOnly;
-            launch_wgsl(
+            wgsl::launch(
                 kernel,
                 WORKGROUP,
                 (column_blocks, blocks),
@@ -287,7 +287,8 @@ mod tests {
 
     use super::*;
     use crate::device;
-    use crate::lora::ops::testing::{to_f64, validate_and_translate};
+    use crate::lora::ops::testing::to_f64;
+    use crate::wgsl::validate_and_translate;
 
     /// Unit roundoff of f32 and of f16.
     const U: f64 = f32::EPSILON as f64 / 2.0;

@@ -327,35 +327,3 @@ pub fn problems() -> impl Strategy<Value = Problem> {
             }
         })
 }
-
-/// Parses and validates `source` with naga and translates it to SPIR-V, MSL and HLSL, panicking
-/// with `what` and naga's message on the first failure.
-pub fn validate_and_translate(source: &str, what: &str) {
-    use naga::back::{hlsl, msl, spv};
-    use naga::valid::{Capabilities, ValidationFlags, Validator};
-
-    let module = naga::front::wgsl::parse_str(source)
-        .unwrap_or_else(|e| panic!("{what}: {}", e.emit_to_string(source)));
-    let info = Validator::new(ValidationFlags::all(), Capabilities::all())
-        .validate(&module)
-        .unwrap_or_else(|e| panic!("{what}: {e:?}"));
-    spv::write_vec(&module, &info, &spv::Options::default(), None)
-        .unwrap_or_else(|e| panic!("{what} to SPIR-V: {e}"));
-    let mut msl_out = String::new();
-    msl::Writer::new(&mut msl_out)
-        .write(
-            &module,
-            &info,
-            &msl::Options::default(),
-            &msl::PipelineOptions::default(),
-        )
-        .unwrap_or_else(|e| panic!("{what} to MSL: {e}"));
-    let mut hlsl_out = String::new();
-    hlsl::Writer::new(
-        &mut hlsl_out,
-        &hlsl::Options::default(),
-        &hlsl::PipelineOptions::default(),
-    )
-    .write(&module, &info, None)
-    .unwrap_or_else(|e| panic!("{what} to HLSL: {e}"));
-}

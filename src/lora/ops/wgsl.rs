@@ -12,25 +12,21 @@
 //! op 2.5× faster, as each load there is a loop over the SIMD lanes.
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
-use burn::backend::wgpu::{CubeBackend, CubeTensor, KernelSource, SourceKernel, SourceTemplate};
+use burn::backend::wgpu::{CubeBackend, CubeTensor, KernelSource, SourceTemplate};
 use burn::tensor::DType;
 use burn_cubecl::cubecl::ir::attributes::BufferIOAttr;
 use burn_cubecl::cubecl::prelude::KernelId;
-use burn_cubecl::cubecl::server::{KernelArguments, MetadataBindingInfo};
-use burn_cubecl::cubecl::{CubeCount, CubeDim};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 use super::{LoraBackend, LoraPlan, TILE_ROWS};
+use crate::wgsl::{self, Elem, MAX_WORKGROUPS_PER_DIM};
 
 /// Invocations per workgroup, shared by both shaders (`{{ workgroup }}`).
 pub const WORKGROUP: u32 = 64;
 
 /// The largest rank block one shrink workgroup sums (`{{ rank_tile }}` is at most this).
 pub const MAX_RANK_TILE: u32 = 32;
-
-/// Most workgroups one dispatch dimension may have (WebGPU's default limit).
-pub(crate) const MAX_WORKGROUPS_PER_DIM: u32 = 65_535;
 
 /// The WGSL kernels of the op: a shader file, and for shrink how many columns one load reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -126,44 +122,6 @@ impl LoraShader {
     }
 }
 
-/// The element type of the op's tensors (the scratch and every sum are `f32` in both).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Elem {
-    /// `f32`.
-    F32,
-    /// `f16`: needs the device's `SHADER_F16`.
-    F16,
-}
-
-impl Elem {
-    /// Both element types.
-    pub const ALL: [Elem; 2] = [Elem::F32, Elem::F16];
-
-    /// The element type of a tensor of `dtype` (the op accepts no other).
-    pub(crate) fn of(dtype: DType) -> Self {
-        match dtype {
-            DType::F16 => Elem::F16,
-            _ => Elem::F32,
-        }
-    }
-
-    /// The WGSL type name.
-    pub(crate) fn wgsl(self) -> &'static str {
-        match self {
-            Elem::F32 => "f32",
-            Elem::F16 => "f16",
-        }
-    }
-
-    /// The directive the type needs at the top of a module.
-    pub(crate) fn enable(self) -> &'static str {
-        match self {
-            Elem::F32 => "",
-            Elem::F16 => "enable f16;",
-        }
-    }
-}
-
 /// The rank block for an adapter of rank `rank`: the power of two at or above `rank`, between 4
 /// and [`MAX_RANK_TILE`]. Each value is its own specialised kernel.
 pub fn rank_tile(rank: usize) -> u32 {
@@ -210,45 +168,6 @@ impl KernelSource for LoraKernel {
     }
 }
 
-/// Packs `u32` parameters into the `u64` words of the trailing uniform, padded to 16 bytes.
-fn uniform_words(params: &[u32]) -> MetadataBindingInfo {
-    let mut padded = params.to_vec();
-    padded.resize(params.len().div_ceil(4) * 4, 0);
-    let words = padded
-        .chunks(2)
-        .map(|pair| u64::from(pair[0]) | (u64::from(pair[1]) << 32))
-        .collect();
-    MetadataBindingInfo::custom(words)
-}
-
-/// Launches `kernel` with `workgroup_size` invocations per workgroup on `workgroups` (x, y),
-/// binding `buffers` in order, each declared with what the kernel does with it, and `params` in
-/// the trailing uniform. Every raw WGSL kernel of ours goes through here.
-///
-/// The declarations matter when a launch fails (a buffer the device cannot hold): cubecl then
-/// marks every buffer the kernel may write as carrying the failure, and refuses later kernels
-/// that read one. Left undeclared, a buffer counts as written, and weights that were only read
-/// (the model's, the adapters') would refuse every later step.
-pub(crate) fn launch_wgsl<K: KernelSource + 'static>(
-    kernel: K,
-    workgroup_size: u32,
-    workgroups: (u32, u32),
-    buffers: &[(&CubeTensor, BufferIOAttr)],
-    params: &[u32],
-) {
-    let arguments = buffers
-        .iter()
-        .fold(KernelArguments::new(), |args, (tensor, io)| {
-            args.with_buffer_io(tensor.handle.clone().binding(), *io)
-        })
-        .with_info(uniform_words(params));
-    buffers[0].0.client.launch(
-        Box::new(SourceKernel::new(kernel, CubeDim::new_1d(workgroup_size))),
-        CubeCount::Static(workgroups.0, workgroups.1, 1),
-        arguments,
-    );
-}
-
 /// Launches an op kernel on `workgroups` (x, y) with `buffers` bound in order: four read, the
 /// last written (`output_io`); `params` in the trailing uniform.
 fn launch(
@@ -267,7 +186,7 @@ fn launch(
         (d, read),
         (output, output_io),
     ];
-    launch_wgsl(kernel, WORKGROUP, workgroups, &buffers, params);
+    wgsl::launch(kernel, WORKGROUP, workgroups, &buffers, params);
 }
 
 impl LoraBackend for CubeBackend {
@@ -351,12 +270,12 @@ impl LoraBackend for CubeBackend {
 mod tests {
     use super::super::testing::{
         Problem, Reference, assert_matches, check_f16, problems, reference, to_f64,
-        validate_and_translate,
     };
     use super::super::{LoraSlice, lora_apply};
     use super::*;
     use crate::device;
     use crate::lora::meta::NO_SLOT;
+    use crate::wgsl::validate_and_translate;
     use proptest::prelude::*;
 
     /// WGSL against the native op and against float64 on the same random tensors.

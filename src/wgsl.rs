@@ -1,0 +1,122 @@
+//! Raw WGSL kernels on Burn's wgpu device: the element types they are written for, the one
+//! launch every kernel goes through, and the dispatch limit launches split at. The LoRA op
+//! ([`crate::lora::ops::wgsl`]) and the linear layers ([`crate::model::gemm`]) use them.
+
+use burn::backend::wgpu::{CubeTensor, KernelSource, SourceKernel};
+use burn::tensor::DType;
+use burn_cubecl::cubecl::ir::attributes::BufferIOAttr;
+use burn_cubecl::cubecl::server::{KernelArguments, MetadataBindingInfo};
+use burn_cubecl::cubecl::{CubeCount, CubeDim};
+
+/// Most workgroups one dispatch dimension may have (WebGPU's default limit).
+pub const MAX_WORKGROUPS_PER_DIM: u32 = 65_535;
+
+/// The element type of a kernel's tensors (its sums are `f32` in both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Elem {
+    /// `f32`.
+    F32,
+    /// `f16`: needs the device's `SHADER_F16`.
+    F16,
+}
+
+impl Elem {
+    /// Both element types.
+    pub const ALL: [Elem; 2] = [Elem::F32, Elem::F16];
+
+    /// The element type of a tensor of `dtype` (our kernels take no other).
+    pub(crate) fn of(dtype: DType) -> Self {
+        match dtype {
+            DType::F16 => Elem::F16,
+            _ => Elem::F32,
+        }
+    }
+
+    /// The WGSL type name.
+    pub(crate) fn wgsl(self) -> &'static str {
+        match self {
+            Elem::F32 => "f32",
+            Elem::F16 => "f16",
+        }
+    }
+
+    /// The directive the type needs at the top of a module.
+    pub(crate) fn enable(self) -> &'static str {
+        match self {
+            Elem::F32 => "",
+            Elem::F16 => "enable f16;",
+        }
+    }
+}
+
+/// Packs `u32` parameters into the `u64` words of the trailing uniform, padded to 16 bytes.
+fn uniform_words(params: &[u32]) -> MetadataBindingInfo {
+    let mut padded = params.to_vec();
+    padded.resize(params.len().div_ceil(4) * 4, 0);
+    let words = padded
+        .chunks(2)
+        .map(|pair| u64::from(pair[0]) | (u64::from(pair[1]) << 32))
+        .collect();
+    MetadataBindingInfo::custom(words)
+}
+
+/// Launches `kernel` with `workgroup_size` invocations per workgroup on `workgroups` (x, y),
+/// binding `buffers` in order, each declared with what the kernel does with it, and `params` in
+/// the trailing uniform. Every raw WGSL kernel of ours goes through here.
+///
+/// The declarations matter when a launch fails (a buffer the device cannot hold): cubecl then
+/// marks every buffer the kernel may write as carrying the failure, and refuses later kernels
+/// that read one. Left undeclared, a buffer counts as written, and weights that were only read
+/// (the model's, the adapters') would refuse every later step.
+pub(crate) fn launch<K: KernelSource + 'static>(
+    kernel: K,
+    workgroup_size: u32,
+    workgroups: (u32, u32),
+    buffers: &[(&CubeTensor, BufferIOAttr)],
+    params: &[u32],
+) {
+    let arguments = buffers
+        .iter()
+        .fold(KernelArguments::new(), |args, (tensor, io)| {
+            args.with_buffer_io(tensor.handle.clone().binding(), *io)
+        })
+        .with_info(uniform_words(params));
+    buffers[0].0.client.launch(
+        Box::new(SourceKernel::new(kernel, CubeDim::new_1d(workgroup_size))),
+        CubeCount::Static(workgroups.0, workgroups.1, 1),
+        arguments,
+    );
+}
+
+/// Parses and validates `source` with naga and translates it to SPIR-V, MSL and HLSL, panicking
+/// with `what` and naga's message on the first failure.
+#[cfg(test)]
+pub(crate) fn validate_and_translate(source: &str, what: &str) {
+    use naga::back::{hlsl, msl, spv};
+    use naga::valid::{Capabilities, ValidationFlags, Validator};
+
+    let module = naga::front::wgsl::parse_str(source)
+        .unwrap_or_else(|e| panic!("{what}: {}", e.emit_to_string(source)));
+    let info = Validator::new(ValidationFlags::all(), Capabilities::all())
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+    spv::write_vec(&module, &info, &spv::Options::default(), None)
+        .unwrap_or_else(|e| panic!("{what} to SPIR-V: {e}"));
+    let mut msl_out = String::new();
+    msl::Writer::new(&mut msl_out)
+        .write(
+            &module,
+            &info,
+            &msl::Options::default(),
+            &msl::PipelineOptions::default(),
+        )
+        .unwrap_or_else(|e| panic!("{what} to MSL: {e}"));
+    let mut hlsl_out = String::new();
+    hlsl::Writer::new(
+        &mut hlsl_out,
+        &hlsl::Options::default(),
+        &hlsl::PipelineOptions::default(),
+    )
+    .write(&module, &info, None)
+    .unwrap_or_else(|e| panic!("{what} to HLSL: {e}"));
+}
