@@ -1,6 +1,8 @@
 //! The linear layers' base product `x · Wᵀ + b` on the GPU wgpu finds: Burn's matmul and add
-//! against our kernel (`shaders/linear.wgsl`), at each linear shape of Qwen2-VL-2B's tower and
-//! merger, 512 rows (8 images of 112²). `cargo bench --bench linear`.
+//! against our kernels (`shaders/linear.wgsl`, `shaders/linear_tiled.wgsl`), at each linear
+//! shape of Qwen2-VL-2B's tower and merger. `cargo bench --bench linear` runs the tower's at 512
+//! rows (8 images of 112²); `MMLORA_BENCH_ROWS=8192` at 8 images of 448². The merger's see a
+//! quarter of the rows.
 
 use std::time::Duration;
 
@@ -20,9 +22,14 @@ const LAYERS: [(&str, usize, usize); 6] = [
     ("merger.mlp.2", 5120, 1536),
 ];
 
+/// The tower's rows unless `MMLORA_BENCH_ROWS` says otherwise.
 const ROWS: usize = 512;
 
 fn linears(c: &mut Criterion) {
+    let tower_rows = match std::env::var("MMLORA_BENCH_ROWS") {
+        Ok(rows) => rows.parse().expect("MMLORA_BENCH_ROWS is a number of rows"),
+        Err(_) => ROWS,
+    };
     let gpu = match device::gpu() {
         Ok(gpu) => gpu,
         Err(error) => {
@@ -35,9 +42,9 @@ fn linears(c: &mut Criterion) {
     for (name, in_features, out_features) in LAYERS {
         // The merger's linears see a quarter of the rows (2×2 patches merged).
         let rows = if name.starts_with("merger") {
-            ROWS / 4
+            tower_rows / 4
         } else {
-            ROWS
+            tower_rows
         };
         let uniform = Distribution::Uniform(-1.0, 1.0);
         let x = Tensor::<2>::random([rows, in_features], uniform, d);
@@ -50,7 +57,7 @@ fn linears(c: &mut Criterion) {
             .sample_size(10)
             .warm_up_time(Duration::from_secs(2))
             .measurement_time(Duration::from_secs(10));
-        for kernel in [LinearKernel::Burn, LinearKernel::Wgsl] {
+        for kernel in [LinearKernel::Burn, LinearKernel::Wgsl, LinearKernel::Tiled] {
             group.bench_function(kernel.name(), |bench| {
                 bench.iter_custom(|n| {
                     timed(&gpu, n, || {

@@ -278,6 +278,10 @@ fn options_that_cannot_work_are_refused() {
             linear_kernel: LinearKernel::Wgsl,
             ..EngineOptions::default()
         },
+        EngineOptions {
+            linear_kernel: LinearKernel::Tiled,
+            ..EngineOptions::default()
+        },
     ] {
         let error = Engine::open(&fixture_dir(), device::cpu(), options).unwrap_err();
         assert!(matches!(error, EngineError::Options(_)), "{error}");

@@ -160,12 +160,9 @@ pub fn run(
     for &rank in &spec.ranks {
         configurations.extend(spec.adapters.iter().map(|&k| (k, rank, kernel)));
     }
-    if device.wgpu.is_some() && spec.linear_kernel == LinearKernel::Auto {
-        let other = match kernel {
-            LinearKernel::Wgsl => LinearKernel::Burn,
-            _ => LinearKernel::Wgsl,
-        };
-        configurations.push((0, 0, other));
+    if spec.linear_kernel == LinearKernel::Auto {
+        let others = LinearKernel::candidates(device).iter().skip(1);
+        configurations.extend(others.map(|&other| (0, 0, other)));
     }
     let mut runs = Vec::with_capacity(configurations.len());
     for &(adapters, rank, kernel) in &configurations {

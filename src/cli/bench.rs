@@ -40,9 +40,9 @@ pub struct BenchArgs {
     /// The float type to compute in (f16: a GPU with SHADER_F16).
     #[arg(long, value_enum, default_value = "f32")]
     precision: Precision,
-    /// The kernel of the linear layers' base products on a GPU (auto: ours on a software GPU,
-    /// Burn's on a hardware one). With auto on a GPU the base also runs with the other, to
-    /// compare them in one run.
+    /// The kernel of the linear layers' base products on a GPU (auto: ours for software GPUs
+    /// on one, Burn's on a hardware one). With auto on a GPU the base also runs with the other
+    /// candidate (Burn's; on a hardware GPU our tiled one), to compare them in one run.
     #[arg(long, value_enum, default_value = "auto")]
     linear_kernel: LinearKernel,
     /// One JSON object per configuration instead of a table.

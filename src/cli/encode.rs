@@ -47,8 +47,8 @@ pub struct EncodeArgs {
     /// The float type to compute in (f16: a GPU with SHADER_F16; the outputs stay f32).
     #[arg(long, value_enum, default_value = "f32")]
     precision: Precision,
-    /// The kernel of the linear layers' base products on a GPU (auto: ours on a software GPU,
-    /// Burn's on a hardware one; wgsl needs a GPU device).
+    /// The kernel of the linear layers' base products on a GPU (auto: ours for software GPUs
+    /// on one, Burn's on a hardware one; wgsl and tiled need a GPU device).
     #[arg(long, value_enum, default_value = "auto")]
     linear_kernel: LinearKernel,
 }

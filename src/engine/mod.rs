@@ -846,11 +846,11 @@ fn check_options(options: &EngineOptions, device: &RuntimeDevice) -> Result<(), 
             options.precision.name(),
             device.description
         ))
-    } else if options.linear_kernel == LinearKernel::Wgsl && device.wgpu.is_none() {
-        Some(
-            "the WGSL linear kernel needs a GPU device (the CPU backend uses Flex's matmul)"
-                .to_owned(),
-        )
+    } else if options.linear_kernel.shader().is_some() && device.wgpu.is_none() {
+        Some(format!(
+            "the {} linear kernel needs a GPU device (the CPU backend uses Flex's matmul)",
+            options.linear_kernel.name()
+        ))
     } else {
         None
     };

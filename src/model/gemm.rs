@@ -1,11 +1,17 @@
 //! The linear layers' base product, `x · Wᵀ + b`, as a backend extension.
 //!
-//! Burn's matmul reaches about 6 GMAC/s on lavapipe (llvmpipe), where every load from a storage
-//! buffer is a loop over the SIMD lanes, so a kernel's speed is the multiply-adds per load. Our
-//! kernel (`shaders/linear.wgsl`) gives each thread [`ROWS`] rows and [`COLUMNS`] `vec4`
-//! columns, so a weight load feeds `ROWS · 4` multiply-adds and an `x` load `COLUMNS · 16`; it
-//! runs the 2B tower's linears 1.5–1.8× faster there (BENCHMARKS.md). [`linear`] takes it where
-//! [`LinearKernel`] says; elsewhere, and on Flex always, Burn's matmul and add ([`composed`]).
+//! [`linear`] computes it with Burn's matmul and add ([`composed`]), or with one of our two WGSL
+//! kernels ([`LinearShader`]), as [`LinearKernel`] says:
+//! - `shaders/linear.wgsl` is built for lavapipe (llvmpipe), where every load from a storage
+//!   buffer is a loop over the SIMD lanes and Burn's matmul reaches about 6 GMAC/s. Each thread
+//!   keeps [`ROWS`] rows × [`COLUMNS`] `vec4` columns of sums in registers, so a weight load
+//!   feeds `ROWS · 4` multiply-adds; it runs the 2B tower's linears 1.5–1.8× faster there
+//!   (BENCHMARKS.md).
+//! - `shaders/linear_tiled.wgsl` is built for hardware GPUs: 128 × 128 blocks staged through
+//!   workgroup memory, 8 × 8 sums per thread, the next slice's loads in flight during this
+//!   slice's products. It has not yet been timed on one (`tools/h200/run.sh` does).
+//!
+//! On Flex the extension is always Burn's matmul and add.
 
 use burn::backend::TensorMetadata;
 use burn::backend::tensor::FloatTensor;
@@ -20,42 +26,70 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use crate::device::RuntimeDevice;
 use crate::wgsl::{self, Elem, MAX_WORKGROUPS_PER_DIM};
 
-/// Invocations per workgroup (`{{ workgroup }}`). 32 makes a workgroup's block 256 columns,
-/// which divides every width of Qwen2-VL-2B's linears, and was faster than 16 or 64.
+/// Invocations per workgroup of `linear.wgsl` (`{{ workgroup }}`). 32 makes a workgroup's
+/// block 256 columns, which divides every width of Qwen2-VL-2B's linears, and was faster than
+/// 16 or 64 on lavapipe.
 pub const WORKGROUP: u32 = 32;
 
-/// Rows each workgroup computes (`{{ rows }}`): the multiply-adds per weight load, over 4.
+/// Rows each workgroup of `linear.wgsl` computes (`{{ rows }}`): the multiply-adds per weight
+/// load, over 4.
 pub const ROWS: u32 = 64;
 
-/// `vec4` columns each thread computes (`{{ columns }}`).
+/// `vec4` columns each thread of `linear.wgsl` computes (`{{ columns }}`).
 pub const COLUMNS: u32 = 2;
 
-/// The kernel's file under `shaders/`.
-pub const SHADER_FILE: &str = "linear.wgsl";
+/// Invocations per workgroup of `linear_tiled.wgsl`: a 16 × 16 grid.
+pub const TILED_WORKGROUP: u32 = 256;
+
+/// Rows of a `linear_tiled.wgsl` block: 16 threads × 4 rows, twice.
+pub const TILED_ROWS: u32 = 128;
+
+/// `vec4` columns of a `linear_tiled.wgsl` block: 16 threads × 1, twice.
+pub const TILED_COLUMNS4: u32 = 32;
+
+/// Columns of `x` (rows of `Wᵀ`) a `linear_tiled.wgsl` block stages at a time; one `vec4` of
+/// each per thread, so `TILED_ROWS · TILED_DEPTH / 4 = TILED_DEPTH · TILED_COLUMNS4 =
+/// TILED_WORKGROUP`.
+pub const TILED_DEPTH: u32 = 8;
 
 /// Which kernel computes a linear layer's base product on a wgpu device.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum LinearKernel {
-    /// Ours on a software rasterizer (lavapipe), where it is measured faster; Burn's on a
-    /// hardware GPU.
+    /// The first of the device's [`LinearKernel::candidates`]: `wgsl` on a software rasterizer
+    /// (lavapipe), where it is measured faster; `burn` on a hardware GPU and on the CPU.
     #[default]
     Auto,
     /// Burn's matmul, then the bias added.
     Burn,
-    /// `shaders/linear.wgsl`, where every width is a multiple of 4 (else Burn's).
+    /// `shaders/linear.wgsl` (sums in registers, for software rasterizers), where every width
+    /// is a multiple of 4 (else Burn's).
     Wgsl,
+    /// `shaders/linear_tiled.wgsl` (blocks in workgroup memory, for hardware GPUs), where every
+    /// width is a multiple of 4 (else Burn's).
+    Tiled,
+}
+
+/// Our WGSL kernels for the linear layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LinearShader {
+    /// `shaders/linear.wgsl`.
+    Registers,
+    /// `shaders/linear_tiled.wgsl`.
+    Tiled,
 }
 
 /// Linear layers' products with a faster implementation than Burn's on some backend.
 #[backend_extension(Cube, Flex, Fusion)]
 pub trait LinearBackend: Backend {
     /// `x · weight_t + bias` for `x`: `[rows, in]`, `weight_t`: `[in, out]`, `bias`: `[out]`,
-    /// all of one dtype, every width a multiple of 4.
+    /// all of one dtype, every width a multiple of 4 and `in` not 0: computed by `shader` on
+    /// the wgpu backend, by Burn's matmul and add elsewhere.
     #[fusion(dtype = x, shape = Shape::from([x[0], weight_t[1]]))]
     fn linear_wgsl(
         x: FloatTensor<Self>,
         weight_t: FloatTensor<Self>,
         bias: FloatTensor<Self>,
+        _shader: LinearShader,
     ) -> FloatTensor<Self> {
         composed::<Self>(x, weight_t, bias)
     }
@@ -91,25 +125,43 @@ impl LinearKernel {
             LinearKernel::Auto => "auto",
             LinearKernel::Burn => "burn",
             LinearKernel::Wgsl => "wgsl",
+            LinearKernel::Tiled => "tiled",
         }
     }
 
-    /// The kernel `self` picks on `device`: `Burn` or `Wgsl`, never `Auto`.
+    /// The kernels worth comparing on `device`, the one `auto` takes first: on a software GPU
+    /// ours for it, then Burn's; on a hardware GPU Burn's, then our tiled one (unmeasured there
+    /// so far); on the CPU Burn's (Flex's matmul) alone.
+    pub fn candidates(device: &RuntimeDevice) -> &'static [LinearKernel] {
+        match (device.wgpu.is_some(), device.hardware_gpu) {
+            (true, false) => &[LinearKernel::Wgsl, LinearKernel::Burn],
+            (true, true) => &[LinearKernel::Burn, LinearKernel::Tiled],
+            (false, _) => &[LinearKernel::Burn],
+        }
+    }
+
+    /// The kernel `self` picks on `device`: never `Auto`.
     pub fn resolve(self, device: &RuntimeDevice) -> Self {
         match self {
-            LinearKernel::Auto if device.wgpu.is_some() && !device.hardware_gpu => {
-                LinearKernel::Wgsl
-            }
-            LinearKernel::Auto => LinearKernel::Burn,
+            LinearKernel::Auto => Self::candidates(device)[0],
             chosen => chosen,
+        }
+    }
+
+    /// Our shader behind `self`, if it is one of ours.
+    pub fn shader(self) -> Option<LinearShader> {
+        match self {
+            LinearKernel::Wgsl => Some(LinearShader::Registers),
+            LinearKernel::Tiled => Some(LinearShader::Tiled),
+            LinearKernel::Auto | LinearKernel::Burn => None,
         }
     }
 }
 
-/// `x · weight_t (+ bias)`: with our kernel where `kernel` is `Wgsl`, there is a bias, every
-/// width is a multiple of 4 and `x` is on a wgpu device (on Flex the extension is Burn's
-/// matmul and add); with Burn's matmul otherwise (`Auto` included: [`LinearKernel::resolve`]
-/// it first).
+/// `x · weight_t (+ bias)`: with our kernel where `kernel` names one, there is a bias, every
+/// width is a multiple of 4 (and `in` not 0) and `x` is on a wgpu device (on Flex the extension
+/// is Burn's matmul and add); with Burn's matmul otherwise (`Auto` included:
+/// [`LinearKernel::resolve`] it first).
 pub fn linear(
     x: Tensor<2>,
     weight_t: &Tensor<2>,
@@ -118,20 +170,52 @@ pub fn linear(
 ) -> Tensor<2> {
     let [_, in_features] = x.dims();
     let [_, out_features] = weight_t.dims();
-    match bias {
-        Some(bias)
-            if kernel == LinearKernel::Wgsl
-                && in_features.is_multiple_of(4)
-                && out_features.is_multiple_of(4) =>
-        {
+    let fits = in_features > 0 && in_features.is_multiple_of(4) && out_features.is_multiple_of(4);
+    match (bias, kernel.shader()) {
+        (Some(bias), Some(shader)) if fits => {
             Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_wgsl(
                 x.into_dispatch(),
                 weight_t.clone().into_dispatch(),
                 bias.clone().into_dispatch(),
+                shader,
             ))
         }
-        Some(bias) => x.matmul(weight_t.clone()) + bias.clone().unsqueeze(),
-        None => x.matmul(weight_t.clone()),
+        (Some(bias), _) => x.matmul(weight_t.clone()) + bias.clone().unsqueeze(),
+        (None, _) => x.matmul(weight_t.clone()),
+    }
+}
+
+impl LinearShader {
+    /// Both kernels, for tests that check them all.
+    pub const ALL: [LinearShader; 2] = [LinearShader::Registers, LinearShader::Tiled];
+
+    /// The shader's file name under `shaders/`.
+    pub fn file_name(self) -> &'static str {
+        match self {
+            LinearShader::Registers => "linear.wgsl",
+            LinearShader::Tiled => "linear_tiled.wgsl",
+        }
+    }
+
+    /// Invocations per workgroup.
+    fn workgroup(self) -> u32 {
+        match self {
+            LinearShader::Registers => WORKGROUP,
+            LinearShader::Tiled => TILED_WORKGROUP,
+        }
+    }
+
+    /// The block one workgroup computes: rows, `vec4` columns.
+    fn block(self) -> (u32, u32) {
+        match self {
+            LinearShader::Registers => (ROWS, WORKGROUP * COLUMNS),
+            LinearShader::Tiled => (TILED_ROWS, TILED_COLUMNS4),
+        }
+    }
+
+    /// The WGSL source for `elem`.
+    pub fn render(self, elem: Elem) -> String {
+        LinearSource { shader: self, elem }.source().complete()
     }
 }
 
@@ -146,6 +230,7 @@ impl LinearBackend for CubeBackend {
         x: FloatTensor<Self>,
         weight_t: FloatTensor<Self>,
         bias: FloatTensor<Self>,
+        shader: LinearShader,
     ) -> FloatTensor<Self> {
         let x = into_contiguous(x);
         let weight_t = into_contiguous(weight_t);
@@ -158,21 +243,23 @@ impl LinearBackend for CubeBackend {
             [rows, out_features].into(),
             x.dtype,
         );
-        if rows == 0 {
+        if rows == 0 || out_features == 0 {
             return y;
         }
-        let kernel = LinearShader {
+        let kernel = LinearSource {
+            shader,
             elem: Elem::of(x.dtype),
         };
-        let column_blocks = (out_features as u32 / 4).div_ceil(WORKGROUP * COLUMNS);
-        let row_blocks = (rows as u32).div_ceil(ROWS);
+        let (block_rows, block_columns4) = shader.block();
+        let column_blocks = (out_features as u32 / 4).div_ceil(block_columns4);
+        let row_blocks = (rows as u32).div_ceil(block_rows);
         // Row blocks beyond one dispatch's limit go in further launches, each on its own rows.
         for first_block in (0..row_blocks).step_by(MAX_WORKGROUPS_PER_DIM as usize) {
             let blocks = (row_blocks - first_block).min(MAX_WORKGROUPS_PER_DIM);
             let read = BufferIOAttr::ReadOnly;
             wgsl::launch(
                 kernel,
-                WORKGROUP,
+                shader.workgroup(),
                 (column_blocks, blocks),
                 &[
                     (&x, read),
@@ -184,7 +271,7 @@ impl LinearBackend for CubeBackend {
                     rows as u32,
                     in_features as u32,
                     out_features as u32,
-                    first_block * ROWS,
+                    first_block * block_rows,
                 ],
             );
         }
@@ -192,29 +279,42 @@ impl LinearBackend for CubeBackend {
     }
 }
 
-/// `shaders/linear.wgsl` for one element type.
+/// One of our linear shaders for one element type.
 #[derive(Debug, Clone, Copy)]
-struct LinearShader {
+struct LinearSource {
+    shader: LinearShader,
     elem: Elem,
 }
 
-impl KernelSource for LinearShader {
+impl KernelSource for LinearSource {
     fn source(&self) -> SourceTemplate {
-        let [setup, load_weights, accumulate, store] = unrolled();
-        SourceTemplate::new(include_str!("../../shaders/linear.wgsl"))
-            .register("workgroup", WORKGROUP.to_string())
-            .register("rows", ROWS.to_string())
-            .register("columns", COLUMNS.to_string())
+        let template = match self.shader {
+            LinearShader::Registers => {
+                let [setup, load_weights, accumulate, store] = unrolled();
+                SourceTemplate::new(include_str!("../../shaders/linear.wgsl"))
+                    .register("workgroup", WORKGROUP.to_string())
+                    .register("rows", ROWS.to_string())
+                    .register("columns", COLUMNS.to_string())
+                    .register("setup", setup)
+                    .register("load_weights", load_weights)
+                    .register("accumulate", accumulate)
+                    .register("store", store)
+            }
+            LinearShader::Tiled => {
+                SourceTemplate::new(include_str!("../../shaders/linear_tiled.wgsl"))
+                    .register("workgroup", TILED_WORKGROUP.to_string())
+                    .register("tile_rows", TILED_ROWS.to_string())
+                    .register("tile_columns4", TILED_COLUMNS4.to_string())
+                    .register("depth", TILED_DEPTH.to_string())
+            }
+        };
+        template
             .register("elem", self.elem.wgsl())
             .register("enable", self.elem.enable())
-            .register("setup", setup)
-            .register("load_weights", load_weights)
-            .register("accumulate", accumulate)
-            .register("store", store)
     }
 
     fn id(&self) -> KernelId {
-        KernelId::new::<Self>().info(self.elem)
+        KernelId::new::<Self>().info((self.shader, self.elem))
     }
 
     fn lang(&self) -> &'static str {
@@ -327,11 +427,12 @@ mod tests {
         [y, bound]
     }
 
-    /// Ours on `gpu` in `dtype` against float64 (of the inputs rounded to `dtype`), within the
-    /// bound of f32 sums; in f32 Burn's is within that bound too, so the two are within twice it
-    /// of each other (in f16 Burn's matmul sums in f16, so its error is larger).
+    /// Our `kernel` on `gpu` in `dtype` against float64 (of the inputs rounded to `dtype`),
+    /// within the bound of f32 sums; in f32 Burn's is within that bound too, so the two are
+    /// within twice it of each other (in f16 Burn's matmul sums in f16, so its error is larger).
     fn check(
         gpu: &device::RuntimeDevice,
+        kernel: LinearKernel,
         rows: usize,
         in_features: usize,
         out_features: usize,
@@ -356,7 +457,7 @@ mod tests {
             x.clone(),
             &materialize(weight.clone().transpose()),
             Some(&bias),
-            LinearKernel::Wgsl,
+            kernel,
         );
         let burns = linear(x, &weight.transpose(), Some(&bias), LinearKernel::Burn);
         let [ours, burns] = [ours, burns].map(|y| to_f64(&y.cast(DType::F32)));
@@ -368,7 +469,10 @@ mod tests {
             .enumerate()
         {
             let (row, col) = (i / out_features, i % out_features);
-            let at = format!("{rows}×{in_features}→{out_features} {dtype:?}, y[{row}, {col}]");
+            let at = format!(
+                "{} {rows}×{in_features}→{out_features} {dtype:?}, y[{row}, {col}]",
+                kernel.name()
+            );
             assert!(
                 (ours - expected).abs() <= *bound,
                 "{at}: ours {ours} vs {expected} (bound {bound:e})"
@@ -380,86 +484,101 @@ mod tests {
         }
     }
 
-    /// Row counts around the row block, widths below, at and past one workgroup's columns, and
-    /// the shapes of Qwen2-VL-2B's linears.
+    /// Each of our kernels: row counts around its row block; widths below, at and past one
+    /// workgroup's columns, and depths below, at and past one staged slice; the shapes of
+    /// Qwen2-VL-2B's linears.
     #[test]
-    fn wgsl_matches_float64_and_burn() {
+    fn ours_match_float64_and_burn() {
         let Some(gpu) = device::gpu_for_tests() else {
             return;
         };
-        let block = ROWS as usize;
-        let block_columns = 4 * (WORKGROUP * COLUMNS) as usize;
-        for rows in [1, block - 1, block, block + 1, 3 * block + 5] {
-            for (in_features, out_features) in
-                [(4, 4), (36, block_columns + 4), (8, 2 * block_columns)]
-            {
-                check(&gpu, rows, in_features, out_features, DType::F32);
+        for kernel in [LinearKernel::Wgsl, LinearKernel::Tiled] {
+            let (block_rows, block_columns4) = kernel.shader().unwrap().block();
+            let (block, block_columns) = (block_rows as usize, 4 * block_columns4 as usize);
+            let depth = TILED_DEPTH as usize;
+            for rows in [1, block - 1, block, block + 1, 3 * block + 5] {
+                for (in_features, out_features) in [
+                    (4, 4),
+                    (depth + 4, block_columns + 4),
+                    (4 * depth + 4, 2 * block_columns),
+                ] {
+                    check(&gpu, kernel, rows, in_features, out_features, DType::F32);
+                }
             }
-        }
-        for (in_features, out_features) in [
-            (1280, 3840),
-            (1280, 1280),
-            (1280, 5120),
-            (5120, 1280),
-            (5120, 1536),
-        ] {
-            check(&gpu, block + 3, in_features, out_features, DType::F32);
-        }
-        if gpu.supports(crate::device::Precision::F16) {
-            for (rows, in_features, out_features) in [(block + 3, 1280, 3840), (5, 36, 516)] {
-                check(&gpu, rows, in_features, out_features, DType::F16);
+            for (in_features, out_features) in [
+                (1280, 3840),
+                (1280, 1280),
+                (1280, 5120),
+                (5120, 1280),
+                (5120, 1536),
+            ] {
+                check(
+                    &gpu,
+                    kernel,
+                    block + 3,
+                    in_features,
+                    out_features,
+                    DType::F32,
+                );
+            }
+            if gpu.supports(crate::device::Precision::F16) {
+                for (rows, in_features, out_features) in [(block + 3, 1280, 3840), (5, 36, 516)] {
+                    check(&gpu, kernel, rows, in_features, out_features, DType::F16);
+                }
             }
         }
     }
 
     /// More row blocks than one dispatch may have: the rows past the first launch come out of
-    /// the second one, right.
+    /// the second one, right, for each of our kernels.
     #[test]
     fn rows_beyond_one_dispatch() {
         let Some(gpu) = device::gpu_for_tests() else {
             return;
         };
-        let rows = MAX_WORKGROUPS_PER_DIM as usize * ROWS as usize + 5;
         let d = &gpu.device;
-        let x: Vec<f32> = (0..rows * 4).map(|i| (i % 7) as f32 - 3.0).collect();
-        let x = Tensor::<2>::from_data(TensorData::new(x, [rows, 4]), d);
         let weight_t = Tensor::<2>::from_data(
             TensorData::new((0..16).map(|i| i as f32).collect::<Vec<f32>>(), [4, 4]),
             d,
         );
         let bias = Tensor::<1>::from_data([0.5f32, -0.5, 1.0, 2.0], d);
-        let ours = linear(x.clone(), &weight_t, Some(&bias), LinearKernel::Wgsl);
-        let burns = linear(x, &weight_t, Some(&bias), LinearKernel::Burn);
-        // Small integers and halves: both sums are exact.
-        ours.into_data().assert_eq(&burns.into_data(), true);
-    }
-
-    #[test]
-    fn auto_takes_ours_on_a_software_gpu_only() {
-        assert_eq!(
-            LinearKernel::Auto.resolve(&device::cpu()),
-            LinearKernel::Burn
-        );
-        assert_eq!(
-            LinearKernel::Wgsl.resolve(&device::cpu()),
-            LinearKernel::Wgsl
-        );
-        if let Some(gpu) = device::gpu_for_tests() {
-            let expected = if gpu.hardware_gpu {
-                LinearKernel::Burn
-            } else {
-                LinearKernel::Wgsl
-            };
-            assert_eq!(LinearKernel::Auto.resolve(&gpu), expected);
-            assert_eq!(LinearKernel::Burn.resolve(&gpu), LinearKernel::Burn);
+        for kernel in [LinearKernel::Wgsl, LinearKernel::Tiled] {
+            let (block_rows, _) = kernel.shader().unwrap().block();
+            let rows = MAX_WORKGROUPS_PER_DIM as usize * block_rows as usize + 5;
+            let x: Vec<f32> = (0..rows * 4).map(|i| (i % 7) as f32 - 3.0).collect();
+            let x = Tensor::<2>::from_data(TensorData::new(x, [rows, 4]), d);
+            let ours = linear(x.clone(), &weight_t, Some(&bias), kernel);
+            let burns = linear(x, &weight_t, Some(&bias), LinearKernel::Burn);
+            // Small integers and halves: both sums are exact.
+            ours.into_data().assert_eq(&burns.into_data(), true);
         }
     }
 
     #[test]
-    fn shader_validates_and_translates_to_every_backend() {
-        for elem in Elem::ALL {
-            let source = LinearShader { elem }.source().complete();
-            validate_and_translate(&source, &format!("{SHADER_FILE} ({elem:?})"));
+    fn auto_takes_the_first_candidate() {
+        let cpu = device::cpu();
+        assert_eq!(LinearKernel::candidates(&cpu), &[LinearKernel::Burn]);
+        assert_eq!(LinearKernel::Auto.resolve(&cpu), LinearKernel::Burn);
+        assert_eq!(LinearKernel::Wgsl.resolve(&cpu), LinearKernel::Wgsl);
+        if let Some(gpu) = device::gpu_for_tests() {
+            let expected = if gpu.hardware_gpu {
+                [LinearKernel::Burn, LinearKernel::Tiled]
+            } else {
+                [LinearKernel::Wgsl, LinearKernel::Burn]
+            };
+            assert_eq!(LinearKernel::candidates(&gpu), &expected);
+            assert_eq!(LinearKernel::Auto.resolve(&gpu), expected[0]);
+            assert_eq!(LinearKernel::Tiled.resolve(&gpu), LinearKernel::Tiled);
+        }
+    }
+
+    #[test]
+    fn shaders_validate_and_translate_to_every_backend() {
+        for shader in LinearShader::ALL {
+            for elem in Elem::ALL {
+                let what = format!("{} ({elem:?})", shader.file_name());
+                validate_and_translate(&shader.render(elem), &what);
+            }
         }
     }
 }

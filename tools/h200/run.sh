@@ -24,14 +24,15 @@ step() { echo "== $1" >&2; shift; timeout "$@"; echo "== exit $?" >&2; }
     # Correctness on a real Vulkan driver: the op against the native path, the engine against
     # transformers + PEFT, isolation, device faults.
     step "op tests" 300 /tmp/bin/lib lora::ops
+    step "linear kernel tests" 300 /tmp/bin/lib model::gemm
     step "engine tests" 300 /tmp/bin/engine
     step "soak (200 batches)" 300 env MMLORA_SOAK_BATCHES=200 /tmp/bin/soak on_wgpu --nocapture
     step "device faults" 300 /tmp/bin/device_faults
 } 2>&1 | tee "$OUT/checks.log"
 # Numbers: the shapes (8 images of 448², 1–16 adapters, ranks 16 and 64; the op at
-# 256, 4096 and 8192 rows), the same in f16, Burn's matmul against our linear kernel (auto
-# runs the base with both; ours is unmeasured on a hardware GPU, so it has a step of its own),
-# then how time and memory grow with images and adapters.
+# 256, 4096 and 8192 rows), the same in f16, Burn's matmul against our tiled linear kernel in
+# f32 and f16 (auto runs the base with both; ours is unmeasured on a hardware GPU, so it has
+# steps of its own), then how time and memory grow with images and adapters.
 step "bench 448" 300 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
     --adapters 1,2,4,8,16 --ranks 16,64 --op-rows 256,4096,8192 --linear-kernel burn \
     --plot "$OUT/h200-448.png" > "$OUT/bench-448.jsonl" 2> "$OUT/bench-448.log"
@@ -41,6 +42,9 @@ step "bench 448 f16" 120 /tmp/bin/mmlora bench --device gpu --json --images 8 --
 step "linear kernels 448" 90 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
     --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto \
     > "$OUT/linear-448.jsonl" 2> "$OUT/linear-448.log"
+step "linear kernels 448 f16" 90 /tmp/bin/mmlora bench --device gpu --json --images 8 \
+    --side 448 --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto --precision f16 \
+    > "$OUT/linear-448-f16.jsonl" 2> "$OUT/linear-448-f16.log"
 step "scale 448" 150 /tmp/bin/mmlora bench --device gpu --json --scale --side 448 \
     --scale-images 1,4,16,64 --scale-adapters 1,16,64 --linear-kernel burn \
     > "$OUT/scale-448.jsonl" 2> "$OUT/scale-448.log"
