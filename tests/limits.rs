@@ -1,4 +1,5 @@
-//! Limits: attention in query blocks equals attention whole, steps capped by the device's
+//! Limits: attention one image at a time or in query blocks equals attention of all images of
+//! one size together, steps capped by the device's
 //! buffer limit split a batch without changing any result, and an image too large for one step
 //! is refused by name.
 
@@ -27,12 +28,14 @@ fn encode(on: &RuntimeDevice) -> (Engine, Vec<Encoded>) {
     (engine, results)
 }
 
-/// One image of `side²` patches through a random tiny model, with attention taken whole and in
-/// blocks of 5 queries.
+/// Four images (three of 8 × 8 patches, one of 4 × 4 third) through a random tiny model, with
+/// attention taken whole (the three of one size in one batched launch sequence and the other on
+/// its own), one image at a time, and in blocks of 5 queries.
 fn attention_in_blocks(on: &RuntimeDevice, rel_tol: f64) {
     let mut model = Qwen2VlVision::random(Preset::Tiny.config(), &on.device);
-    let (side, heads) = (8, 2);
-    let rows = side * side;
+    let heads = 2;
+    let grids = [[1, 8, 8], [1, 8, 8], [1, 4, 4], [1, 8, 8]];
+    let rows: usize = grids.iter().map(|g| g.iter().product::<usize>()).sum();
     let x = Tensor::<2>::random([rows, 1176], Distribution::Default, &on.device);
     let none = |n| {
         LoraBatch::new(
@@ -42,7 +45,7 @@ fn attention_in_blocks(on: &RuntimeDevice, rel_tol: f64) {
     };
     let run = |model: &Qwen2VlVision| -> Vec<f32> {
         model
-            .forward(x.clone(), &[[1, side, side]], &none(rows), &none(rows / 4))
+            .forward(x.clone(), &grids, &none(rows), &none(rows / 4))
             .unwrap()
             .tower
             .into_data()
@@ -50,22 +53,27 @@ fn attention_in_blocks(on: &RuntimeDevice, rel_tol: f64) {
             .unwrap()
     };
     let whole = run(&model);
-    // Scores of 5 queries over all 64 keys, every head, fit; 6 do not.
-    model.set_buffer_limit((4 * heads * rows * 5) as u64);
+    // The scores of one 64-row image, every head, fit; two do not.
+    model.set_buffer_limit((4 * heads * 64 * 64) as u64);
+    let apart = run(&model);
+    // Scores of 5 queries over all 64 keys fit; 6 do not.
+    model.set_buffer_limit((4 * heads * 64 * 5) as u64);
     let blocks = run(&model);
-    let (rel, _) = errors(&blocks, &whole);
-    assert!(rel <= rel_tol, "on {}: rel {rel:e}", on.description);
+    for (how, got) in [("one image at a time", apart), ("in query blocks", blocks)] {
+        let (rel, _) = errors(&got, &whole);
+        assert!(rel <= rel_tol, "{how} on {}: rel {rel:e}", on.description);
+    }
 }
 
 #[test]
-fn attention_in_query_blocks_equals_attention_whole_on_cpu() {
+fn attention_apart_or_in_query_blocks_equals_attention_together_on_cpu() {
     // Tolerance: rel. Frobenius 1e-6 (each query's softmax is its own; only the matmul shapes
     // differ).
     attention_in_blocks(&device::cpu(), 1e-6);
 }
 
 #[test]
-fn attention_in_query_blocks_equals_attention_whole_on_wgpu() {
+fn attention_apart_or_in_query_blocks_equals_attention_together_on_wgpu() {
     let Some(gpu) = device::gpu_for_tests() else {
         return;
     };

@@ -36,12 +36,12 @@ step() { echo "== $1" >&2; shift; timeout "$@"; echo "== exit $?" >&2; }
 step "bench 448" 300 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
     --adapters 1,2,4,8,16 --ranks 16,64 --op-rows 256,4096,8192 --linear-kernel burn \
     --plot "$OUT/h200-448.png" > "$OUT/bench-448.jsonl" 2> "$OUT/bench-448.log"
-step "bench 448 f16" 120 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
-    --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 --linear-kernel burn \
-    > "$OUT/bench-448-f16.jsonl" 2> "$OUT/bench-448-f16.log"
 step "linear kernels 448" 90 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
     --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto \
     > "$OUT/linear-448.jsonl" 2> "$OUT/linear-448.log"
+step "bench 448 f16" 120 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
+    --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 --linear-kernel burn \
+    > "$OUT/bench-448-f16.jsonl" 2> "$OUT/bench-448-f16.log"
 step "linear kernels 448 f16" 90 /tmp/bin/mmlora bench --device gpu --json --images 8 \
     --side 448 --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto --precision f16 \
     > "$OUT/linear-448-f16.jsonl" 2> "$OUT/linear-448-f16.log"

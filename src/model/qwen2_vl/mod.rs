@@ -2,12 +2,13 @@
 //! linear (`blocks.*.attn.qkv`, `attn.proj`, `mlp.fc1`, `mlp.fc2`, `merger.mlp.0`,
 //! `merger.mlp.2`). Numbers follow transformers' `Qwen2VisionTransformerPretrainedModel`.
 
+mod attention;
 pub mod config;
 mod rotary;
 
 use std::path::Path;
 
-use burn::tensor::activation::{gelu, softmax};
+use burn::tensor::activation::gelu;
 use burn::tensor::module::layer_norm;
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
 
@@ -385,7 +386,7 @@ impl Qwen2VlVision {
         segments: &[usize],
         tower: &LoraBatch,
     ) -> Result<Tensor<2>, ModelError> {
-        let [rows, d] = x.dims();
+        let [rows, _] = x.dims();
         let (heads, hd) = (self.config.num_heads, self.config.head_dim());
         let qkv = block.qkv.forward(x, tower)?.reshape([rows, 3, heads, hd]);
         let part = |i: usize| {
@@ -397,39 +398,10 @@ impl Qwen2VlVision {
         let k = rotary::apply(part(1), cos, sin);
         let v = part(2);
         let scale = (hd as f64).powf(-0.5);
-        let mut outputs = Vec::with_capacity(segments.len());
-        let mut start = 0;
-        for &len in segments {
-            // Scores are [heads, queries, len]: take as many queries at a time as fit the limit.
-            // Each query's softmax is over its own row, so the blocks are exact.
-            let per_query = (4 * heads * len) as u64;
-            let block = usize::try_from(self.buffer_limit / per_query)
-                .unwrap_or(usize::MAX)
-                .clamp(1, len);
-            let k_t = k
-                .clone()
-                .slice(start..start + len)
-                .swap_dims(0, 1)
-                .swap_dims(1, 2); // [heads, hd, len]
-            let v_s = v.clone().slice(start..start + len).swap_dims(0, 1); // [heads, len, hd]
-            for first in (0..len).step_by(block) {
-                let queries = block.min(len - first);
-                let q_s = q
-                    .clone()
-                    .slice(start + first..start + first + queries)
-                    .swap_dims(0, 1); // [heads, queries, hd]
-                // Softmax in f32, as PyTorch's autocast runs it.
-                let scores = q_s.matmul(k_t.clone()).cast(DType::F32) * scale;
-                let weights = softmax(scores, 2).cast(self.dtype);
-                outputs.push(
-                    weights
-                        .matmul(v_s.clone())
-                        .swap_dims(0, 1)
-                        .reshape([queries, d]),
-                );
-            }
-            start += len;
-        }
+        let outputs = attention::pieces(segments, heads, self.buffer_limit)
+            .into_iter()
+            .map(|piece| attention::attend(&q, &k, &v, piece, scale))
+            .collect();
         Ok(block.proj.forward(Tensor::cat(outputs, 0), tower)?)
     }
 }
