@@ -8,9 +8,9 @@
 // This is built for llvmpipe (lavapipe), where every load from a storage buffer is a loop over
 // the SIMD lanes, and the loads, not the arithmetic, set the speed: a weight load feeds
 // ROWS * 4 multiply-adds and an x load COLUMNS * 16. ROWS = 64, COLUMNS = 2 and WORKGROUP = 32
-// were the fastest of the shapes measured (BENCHMARKS.md). The statements per row and column are written out by
-// the runtime ({{ ... }} below), one variable each: llvmpipe keeps arrays indexed in loops in
-// memory, which costs more than the loads they save.
+// were the fastest of the shapes measured (BENCHMARKS.md). The statements per row and column
+// are written out by the runtime ({{ ... }} below), one variable each: llvmpipe keeps arrays
+// indexed in loops in memory, which costs more than the loads they save.
 //
 // Rows and columns past the last are clamped to it: read and summed, never stored. Every width
 // is a multiple of 4. ELEM is the element type of x, weight_t, bias and y (f32, or f16 where the

@@ -11,6 +11,14 @@ use burn_cubecl::cubecl::{CubeCount, CubeDim};
 /// Most workgroups one dispatch dimension may have (WebGPU's default limit).
 pub const MAX_WORKGROUPS_PER_DIM: u32 = 65_535;
 
+/// `workgroups` along one dimension split into launches of at most [`MAX_WORKGROUPS_PER_DIM`]:
+/// each launch's first workgroup and its count.
+pub fn launches(workgroups: u32) -> impl Iterator<Item = (u32, u32)> {
+    (0..workgroups)
+        .step_by(MAX_WORKGROUPS_PER_DIM as usize)
+        .map(move |first| (first, (workgroups - first).min(MAX_WORKGROUPS_PER_DIM)))
+}
+
 /// The element type of a kernel's tensors (its sums are `f32` in both).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Elem {
@@ -119,4 +127,21 @@ pub(crate) fn validate_and_translate(source: &str, what: &str) {
     )
     .write(&module, &info, None)
     .unwrap_or_else(|e| panic!("{what} to HLSL: {e}"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn launches_cover_every_workgroup_once() {
+        let max = MAX_WORKGROUPS_PER_DIM;
+        assert_eq!(launches(0).count(), 0);
+        assert_eq!(launches(5).collect::<Vec<_>>(), vec![(0, 5)]);
+        assert_eq!(launches(max).collect::<Vec<_>>(), vec![(0, max)]);
+        assert_eq!(
+            launches(2 * max + 3).collect::<Vec<_>>(),
+            vec![(0, max), (max, max), (2 * max, 3)]
+        );
+    }
 }

@@ -81,8 +81,8 @@ pub struct BenchSpec {
     pub repeats: usize,
     /// The float type the model computes in.
     pub precision: Precision,
-    /// The linear layers' kernel. With `Auto` on a GPU the base also runs with the kernel `Auto`
-    /// did not pick, to compare them in one run.
+    /// The linear layers' kernel. With `Auto` the base also runs with the device's other
+    /// [`LinearKernel::candidates`], to compare them in one run.
     pub linear_kernel: LinearKernel,
 }
 

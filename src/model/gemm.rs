@@ -24,7 +24,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 use crate::device::RuntimeDevice;
-use crate::wgsl::{self, Elem, MAX_WORKGROUPS_PER_DIM};
+use crate::wgsl::{self, Elem};
 
 /// Invocations per workgroup of `linear.wgsl` (`{{ workgroup }}`). 32 makes a workgroup's
 /// block 256 columns, which divides every width of Qwen2-VL-2B's linears, and was faster than
@@ -254,8 +254,7 @@ impl LinearBackend for CubeBackend {
         let column_blocks = (out_features as u32 / 4).div_ceil(block_columns4);
         let row_blocks = (rows as u32).div_ceil(block_rows);
         // Row blocks beyond one dispatch's limit go in further launches, each on its own rows.
-        for first_block in (0..row_blocks).step_by(MAX_WORKGROUPS_PER_DIM as usize) {
-            let blocks = (row_blocks - first_block).min(MAX_WORKGROUPS_PER_DIM);
+        for (first_block, blocks) in wgsl::launches(row_blocks) {
             let read = BufferIOAttr::ReadOnly;
             wgsl::launch(
                 kernel,
@@ -388,6 +387,7 @@ mod tests {
     use super::*;
     use crate::device;
     use crate::lora::ops::testing::to_f64;
+    use crate::wgsl::MAX_WORKGROUPS_PER_DIM;
     use crate::wgsl::validate_and_translate;
 
     /// Unit roundoff of f32 and of f16.

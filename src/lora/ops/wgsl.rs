@@ -20,7 +20,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 use super::{LoraBackend, LoraPlan, TILE_ROWS};
-use crate::wgsl::{self, Elem, MAX_WORKGROUPS_PER_DIM};
+use crate::wgsl::{self, Elem};
 
 /// Invocations per workgroup, shared by both shaders (`{{ workgroup }}`).
 pub const WORKGROUP: u32 = 64;
@@ -229,9 +229,7 @@ impl LoraBackend for CubeBackend {
             [rows, rank].into(),
             DType::F32,
         );
-        let per_launch = MAX_WORKGROUPS_PER_DIM as usize;
-        for tile_base in (0..n_tiles).step_by(per_launch) {
-            let tiles_here = (n_tiles - tile_base).min(per_launch) as u32;
+        for (tile_base, tiles_here) in wgsl::launches(n_tiles as u32) {
             let kernel = |shader| LoraKernel {
                 shader,
                 rank_tile,
@@ -242,7 +240,7 @@ impl LoraBackend for CubeBackend {
                 (tiles_here, (rank as u32).div_ceil(rank_tile)),
                 [&x, &a, &sorted_tokens, &tiles, &shrunk],
                 BufferIOAttr::WriteOnly,
-                &[in_features as u32, rank as u32, tile_base as u32],
+                &[in_features as u32, rank as u32, tile_base],
             );
             launch(
                 kernel(expand),
@@ -258,7 +256,7 @@ impl LoraBackend for CubeBackend {
                     rank as u32,
                     out_total as u32,
                     out_offset as u32,
-                    tile_base as u32,
+                    tile_base,
                 ],
             );
         }

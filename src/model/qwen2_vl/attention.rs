@@ -25,8 +25,9 @@ pub(super) struct Piece {
 /// scores within `limit` bytes (a piece of one query of one segment when even that does not
 /// fit), in row order.
 pub(super) fn pieces(segments: &[usize], heads: usize, limit: u64) -> Vec<Piece> {
-    let fitting = |bytes_each: usize| {
-        usize::try_from(limit / (4 * heads * bytes_each).max(1) as u64).unwrap_or(usize::MAX)
+    // How many of something with `scores` f32 scores per head fit the limit.
+    let fitting = |scores: usize| {
+        usize::try_from(limit / (4 * heads * scores).max(1) as u64).unwrap_or(usize::MAX)
     };
     let mut pieces = Vec::new();
     let mut at = 0;

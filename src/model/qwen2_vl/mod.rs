@@ -342,11 +342,12 @@ impl Qwen2VlVision {
         }
         let (cos, sin) = rotary::cos_sin(grids, &self.config, &self.device);
         let (cos, sin) = (cos.cast(self.dtype), sin.cast(self.dtype));
-        // Each frame of each image attends only to itself.
+        // Each frame of each image attends only to itself; the same pieces in every block.
         let segments: Vec<usize> = grids
             .iter()
             .flat_map(|&[t, h, w]| std::iter::repeat_n(h * w, t))
             .collect();
+        let pieces = attention::pieces(&segments, self.config.num_heads, self.buffer_limit);
 
         let mut x = pixel_values
             .cast(self.dtype)
@@ -357,7 +358,7 @@ impl Qwen2VlVision {
                 block.norm1.forward(x.clone()),
                 &cos,
                 &sin,
-                &segments,
+                &pieces,
                 tower,
             )?;
             x = x + attended;
@@ -383,7 +384,7 @@ impl Qwen2VlVision {
         x: Tensor<2>,
         cos: &Tensor<3>,
         sin: &Tensor<3>,
-        segments: &[usize],
+        pieces: &[attention::Piece],
         tower: &LoraBatch,
     ) -> Result<Tensor<2>, ModelError> {
         let [rows, _] = x.dims();
@@ -398,9 +399,9 @@ impl Qwen2VlVision {
         let k = rotary::apply(part(1), cos, sin);
         let v = part(2);
         let scale = (hd as f64).powf(-0.5);
-        let outputs = attention::pieces(segments, heads, self.buffer_limit)
-            .into_iter()
-            .map(|piece| attention::attend(&q, &k, &v, piece, scale))
+        let outputs = pieces
+            .iter()
+            .map(|&piece| attention::attend(&q, &k, &v, piece, scale))
             .collect();
         Ok(block.proj.forward(Tensor::cat(outputs, 0), tower)?)
     }
