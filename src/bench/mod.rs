@@ -3,8 +3,10 @@
 //!
 //! Each configuration gets its own engine around the same model and one warm-up call (kernel
 //! compilation and autotuning happen there); then the configurations take turns, `repeats`
-//! rounds, so slow drifts of the machine hit them alike. Each call ends by reading the outputs
-//! back, which waits for the device. The median per configuration is reported.
+//! rounds, each round starting with the next configuration, so slow drifts of the machine hit
+//! them alike. Each call ends by reading the outputs back, which waits for the device. Each
+//! configuration's median time is reported, and its ratio to the base as the median of the
+//! rounds' ratios (the base's call and its call in the same round).
 
 pub mod op;
 pub mod plot;
@@ -138,7 +140,8 @@ pub struct BenchRecord {
     pub median_ms: f64,
     /// Images per second at the median.
     pub img_per_s: f64,
-    /// Base time / this time (1 for the base itself; above 0.95 is the target).
+    /// Base time / this time, the median over rounds of that ratio within each round (1 for the
+    /// base itself; above 0.95 is the target).
     pub ratio_vs_base: f64,
 }
 
@@ -174,33 +177,37 @@ pub fn run(
         let mut engine = engine_with_adapters(&model, device, compute, adapters, adapters, rank)?;
         let batch = mixed_batch(&requests, adapters, rank);
         engine.encode(&batch, false)?; // warm-up
-        runs.push((engine, batch, Vec::with_capacity(spec.repeats)));
+        runs.push((engine, batch));
     }
-    for round in 0..spec.repeats.max(1) {
-        progress(&format!("round {} of {}", round + 1, spec.repeats.max(1)));
-        for (engine, batch, times) in &mut runs {
-            let started = Instant::now();
-            engine.encode(batch, false)?;
-            times.push(started.elapsed().as_secs_f64() * 1e3);
+    let count = runs.len();
+    let times = in_turns(count, spec.repeats, |i, round| {
+        if i == round % count {
+            progress(&format!("round {} of {}", round + 1, spec.repeats.max(1)));
         }
-    }
-    let medians: Vec<f64> = runs.iter_mut().map(|(_, _, times)| median(times)).collect();
+        let (engine, batch) = &mut runs[i];
+        let started = Instant::now();
+        engine.encode(batch, false)?;
+        Ok::<_, EngineError>(started.elapsed().as_secs_f64() * 1e3)
+    })?;
     Ok(configurations
         .iter()
-        .zip(&medians)
-        .map(|(&(adapters, rank, kernel), &median_ms)| BenchRecord {
-            device: device_kind.to_owned(),
-            adapter_name: device.description.clone(),
-            preset: spec.preset.name().to_owned(),
-            images: spec.images,
-            side: spec.side,
-            adapters,
-            rank,
-            precision: spec.precision.name().to_owned(),
-            linear_kernel: kernel.name().to_owned(),
-            median_ms,
-            img_per_s: spec.images as f64 / (median_ms / 1e3),
-            ratio_vs_base: medians[0] / median_ms,
+        .zip(&times)
+        .map(|(&(adapters, rank, kernel), own)| {
+            let median_ms = median(own);
+            BenchRecord {
+                device: device_kind.to_owned(),
+                adapter_name: device.description.clone(),
+                preset: spec.preset.name().to_owned(),
+                images: spec.images,
+                side: spec.side,
+                adapters,
+                rank,
+                precision: spec.precision.name().to_owned(),
+                linear_kernel: kernel.name().to_owned(),
+                median_ms,
+                img_per_s: spec.images as f64 / (median_ms / 1e3),
+                ratio_vs_base: paired_ratio(&times[0], own),
+            }
         })
         .collect())
 }
@@ -316,7 +323,35 @@ pub fn random_adapter(name: &str, targets: &[LoraTarget], rank: usize, seed: usi
     }
 }
 
-fn median(values: &mut [f64]) -> f64 {
+/// Runs `count` configurations' timed calls in turns for `repeats` rounds (at least one):
+/// `call(i, round)` times configuration `i` once, in ms. Each round starts one configuration
+/// later than the last, so none always runs first or right after the same other, and a drift
+/// of the machine's speed hits them alike. Returns each configuration's times, by round.
+fn in_turns<E>(
+    count: usize,
+    repeats: usize,
+    mut call: impl FnMut(usize, usize) -> Result<f64, E>,
+) -> Result<Vec<Vec<f64>>, E> {
+    let rounds = repeats.max(1);
+    let mut times = vec![Vec::with_capacity(rounds); count];
+    for round in 0..rounds {
+        for turn in 0..count {
+            let i = (round + turn) % count;
+            times[i].push(call(i, round)?);
+        }
+    }
+    Ok(times)
+}
+
+/// `base / times`, round by round, and the median of those ratios: each ratio compares two
+/// calls of one round, so the speed the machine had in that round cancels out of it.
+fn paired_ratio(base: &[f64], times: &[f64]) -> f64 {
+    let ratios: Vec<f64> = base.iter().zip(times).map(|(b, t)| b / t).collect();
+    median(&ratios)
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut values = values.to_vec();
     values.sort_by(f64::total_cmp);
     let mid = values.len() / 2;
     if values.len() % 2 == 1 {
@@ -375,8 +410,36 @@ mod tests {
     }
 
     #[test]
+    fn turns_rotate_so_each_configuration_leads_a_round() {
+        let mut order = Vec::new();
+        let times = in_turns(3, 3, |i, round| {
+            order.push(i);
+            Ok::<_, ()>((10 * round + i) as f64)
+        })
+        .unwrap();
+        assert_eq!(order, [0, 1, 2, 1, 2, 0, 2, 0, 1]);
+        assert_eq!(times[1], [1.0, 11.0, 21.0]);
+        assert_eq!(
+            in_turns(2, 5, |i, _| if i == 1 { Err("failed") } else { Ok(1.0) }),
+            Err("failed")
+        );
+    }
+
+    #[test]
+    fn paired_ratios_hold_through_the_machines_drift() {
+        // The machine doubles its times from round to round, and in round 1 the second
+        // configuration also meets a hiccup. In each other round it takes 10 % longer than the
+        // base. The ratio of the medians (20 / 30) would take the hiccup for the configuration's
+        // cost; the median of the rounds' ratios does not.
+        let base = [10.0, 20.0, 40.0];
+        let other = [11.0, 30.0, 44.0];
+        assert!((paired_ratio(&base, &other) - 1.0 / 1.1).abs() < 1e-12);
+        assert_eq!(paired_ratio(&base, &base), 1.0);
+    }
+
+    #[test]
     fn median_of_odd_and_even_counts() {
-        assert_eq!(median(&mut [3.0, 1.0, 2.0]), 2.0);
-        assert_eq!(median(&mut [4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
     }
 }

@@ -3,6 +3,7 @@
 //! gather-and-batched-matmul (each row's A and B gathered, two batched matmuls), at a preset's
 //! `attn.qkv` shape with the rows cycling through the adapters.
 
+use std::convert::Infallible;
 use std::time::{Duration, Instant};
 
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
@@ -208,30 +209,28 @@ pub struct OpRecord {
     pub lora_ms: f64,
     /// The base linear plus the naive path, median ms.
     pub naive_ms: f64,
-    /// What the op adds to the base linear (`lora_ms / base_ms − 1`).
+    /// What the op adds to the base linear: the median over rounds of `lora / base − 1` within
+    /// each round.
     pub lora_overhead: f64,
-    /// What the naive path adds to the base linear.
+    /// What the naive path adds to the base linear, the same way.
     pub naive_overhead: f64,
 }
 
 /// Times the base linear, base + op and base + naive at `shape`: one warm-up run each, then
-/// `repeats` rounds in turns; medians.
+/// `repeats` rounds in turns; medians, and the overheads from each round's pair.
 pub fn run(shape: OpShape, on: &RuntimeDevice, kind: &str, repeats: usize) -> OpRecord {
     let inputs = OpInputs::new(shape, on);
     let variants: [&dyn Fn() -> Tensor<2>; 3] =
         [&|| inputs.base(), &|| inputs.lora(inputs.base()), &|| {
             inputs.naive(inputs.base())
         }];
-    let mut times = [const { Vec::new() }; 3];
     for variant in variants {
         timed(on, 1, variant);
     }
-    for _ in 0..repeats.max(1) {
-        for (variant, times) in variants.iter().zip(&mut times) {
-            times.push(timed(on, 1, variant).as_secs_f64() * 1e3);
-        }
-    }
-    let [base_ms, lora_ms, naive_ms] = times.map(|mut t| super::median(&mut t));
+    let Ok(times) = super::in_turns(variants.len(), repeats, |i, _| {
+        Ok::<_, Infallible>(timed(on, 1, variants[i]).as_secs_f64() * 1e3)
+    });
+    let [base, lora, naive] = [&times[0], &times[1], &times[2]];
     OpRecord {
         kind: "op",
         device: kind.to_owned(),
@@ -243,10 +242,10 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, kind: &str, repeats: usize) -> Op
         adapters: shape.adapters,
         precision: shape.precision.name().to_owned(),
         linear_kernel: inputs.shape.linear_kernel.name().to_owned(),
-        base_ms,
-        lora_ms,
-        naive_ms,
-        lora_overhead: lora_ms / base_ms - 1.0,
-        naive_overhead: naive_ms / base_ms - 1.0,
+        base_ms: super::median(base),
+        lora_ms: super::median(lora),
+        naive_ms: super::median(naive),
+        lora_overhead: super::paired_ratio(lora, base) - 1.0,
+        naive_overhead: super::paired_ratio(naive, base) - 1.0,
     }
 }

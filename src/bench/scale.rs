@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::{Preset, engine_with_adapters, median, mixed_batch, random_images};
+use super::{Preset, engine_with_adapters, in_turns, median, mixed_batch, random_images};
 use crate::device::{Precision, RuntimeDevice};
 use crate::engine::{Engine, EngineError, Request};
 use crate::model::gemm::LinearKernel;
@@ -214,18 +214,16 @@ impl Sweep<'_> {
         for configuration in configurations {
             warm.push(self.warm_up(configuration, progress)?);
         }
-        let mut times = vec![Vec::with_capacity(self.spec.repeats); configurations.len()];
-        for _ in 0..self.spec.repeats.max(1) {
-            for (warm, times) in warm.iter_mut().zip(&mut times) {
-                let started = Instant::now();
-                warm.engine.encode(&warm.batch, false)?;
-                times.push(started.elapsed().as_secs_f64() * 1e3);
-            }
-        }
+        let times = in_turns(warm.len(), self.spec.repeats, |i, _| {
+            let started = Instant::now();
+            let Warm { engine, batch, .. } = &mut warm[i];
+            engine.encode(batch, false)?;
+            Ok::<_, EngineError>(started.elapsed().as_secs_f64() * 1e3)
+        })?;
         Ok(configurations
             .iter()
             .zip(warm)
-            .zip(&mut times)
+            .zip(&times)
             .map(|((configuration, warm), times)| self.record(configuration, &warm, median(times)))
             .collect())
     }

@@ -31,7 +31,8 @@ pub struct BenchArgs {
     /// Adapter ranks, comma-separated, crossed with --adapters.
     #[arg(long, value_delimiter = ',', default_values_t = BenchSpec::default().ranks)]
     ranks: Vec<usize>,
-    /// Timed runs per configuration (after one warm-up run); the median is reported.
+    /// Timed runs per configuration (after one warm-up run), in rounds that take turns; the
+    /// median time is reported, and the median of the rounds' ratios to the base.
     #[arg(long, default_value_t = BenchSpec::default().repeats)]
     repeats: usize,
     /// Where to run.
