@@ -23,7 +23,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let table = SlotTable::for_adapters([7, 3], 2)?;
     let meta = KernelMeta::from_mapping(&mapping, &table)?;
     assert_eq!(meta.token_slots(), &[0, NO_SLOT, 1]);
-    let batch = LoraBatch::new(meta, &on.device);
+    let batch = LoraBatch::new(meta, &on);
 
     // A 4 → 2 layer; slot 0 adds x₀ to output 0, slot 1 adds 2·x₁ to output 1 (rank 1).
     let d = &on.device;

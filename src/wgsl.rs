@@ -57,6 +57,15 @@ impl Elem {
     }
 }
 
+/// `lines` as a block of WGSL statements, each on its own line behind `indent`: what a template
+/// placeholder of written-out statements (one variable each, as llvmpipe wants) takes.
+pub(crate) fn statements(indent: &str, lines: &[String]) -> String {
+    lines
+        .iter()
+        .map(|line| format!("{indent}{line}\n"))
+        .collect()
+}
+
 /// Packs `u32` parameters into the `u64` words of the trailing uniform, padded to 16 bytes.
 fn uniform_words(params: &[u32]) -> MetadataBindingInfo {
     let mut padded = params.to_vec();

@@ -7,6 +7,7 @@ mod common;
 use common::{Expected, errors, fixture_dir, fixture_requests};
 use mmlora::device::{self, Precision, RuntimeDevice};
 use mmlora::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
+use mmlora::lora::ops::ShrinkKernel;
 use mmlora::model::gemm::LinearKernel;
 
 const ADAPTERS: [&str; 4] = ["all-r4", "patterns", "rslora-r8", "tower-r2"];
@@ -280,6 +281,10 @@ fn options_that_cannot_work_are_refused() {
         },
         EngineOptions {
             linear_kernel: LinearKernel::Tiled,
+            ..EngineOptions::default()
+        },
+        EngineOptions {
+            lora_shrink: ShrinkKernel::Registers,
             ..EngineOptions::default()
         },
     ] {

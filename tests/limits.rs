@@ -40,7 +40,7 @@ fn attention_in_blocks(on: &RuntimeDevice, rel_tol: f64) {
     let none = |n| {
         LoraBatch::new(
             KernelMeta::from_token_slots(vec![NO_SLOT; n], 1).unwrap(),
-            &on.device,
+            on,
         )
     };
     let run = |model: &Qwen2VlVision| -> Vec<f32> {

@@ -102,7 +102,7 @@ fn a_single_file_checkpoint_with_the_old_prefix_loads_the_same_model() {
     let none = |n| {
         LoraBatch::new(
             KernelMeta::from_token_slots(vec![NO_SLOT; n], 1).unwrap(),
-            &cpu.device,
+            &cpu,
         )
     };
     let run = |m: &Qwen2VlVision| {

@@ -100,7 +100,7 @@ fn qwen2_vl_2b_vision_tower_runs_one_image_on_cpu() {
     let none = |n| {
         LoraBatch::new(
             KernelMeta::from_token_slots(vec![NO_SLOT; n], 1).unwrap(),
-            &cpu.device,
+            &cpu,
         )
     };
     let start = Instant::now();

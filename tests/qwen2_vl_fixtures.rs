@@ -14,7 +14,7 @@ use mmlora::model::qwen2_vl::Qwen2VlVision;
 fn no_lora(rows: usize, device: &RuntimeDevice) -> LoraBatch {
     LoraBatch::new(
         KernelMeta::from_token_slots(vec![NO_SLOT; rows], 1).unwrap(),
-        &device.device,
+        device,
     )
 }
 

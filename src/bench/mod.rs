@@ -21,6 +21,7 @@ use serde::Serialize;
 use crate::adapters::{ModuleLora, PeftAdapter};
 use crate::device::{Precision, RuntimeDevice};
 use crate::engine::{Engine, EngineError, EngineOptions, ImageSource, Request};
+use crate::lora::ops::ShrinkKernel;
 use crate::model::gemm::LinearKernel;
 use crate::model::qwen2_vl::{LoraTarget, Qwen2VlVision, VisionConfig};
 use crate::preprocess::{Patches, PreprocessConfig, smart_resize};
@@ -86,6 +87,8 @@ pub struct BenchSpec {
     /// The linear layers' kernel. With `Auto` the base also runs with the device's other
     /// [`LinearKernel::candidates`], to compare them in one run.
     pub linear_kernel: LinearKernel,
+    /// The LoRA shrink shader on a GPU.
+    pub lora_shrink: ShrinkKernel,
 }
 
 /// The default image side on a software GPU (lavapipe): it runs the 2B tower about 6× slower
@@ -111,6 +114,7 @@ impl Default for BenchSpec {
             repeats: 3,
             precision: Precision::F32,
             linear_kernel: LinearKernel::Auto,
+            lora_shrink: ShrinkKernel::Auto,
         }
     }
 }
@@ -134,8 +138,11 @@ pub struct BenchRecord {
     pub rank: usize,
     /// `f32` or `f16`.
     pub precision: String,
-    /// The linear layers' kernel: `burn` or `wgsl`.
+    /// The linear layers' kernel: `burn`, `wgsl` or `tiled`.
     pub linear_kernel: String,
+    /// The LoRA shrink shader: `split` or `registers` (`None` on the CPU backend, which runs
+    /// its own op).
+    pub lora_shrink: Option<String>,
     /// Median time of one batch.
     pub median_ms: f64,
     /// Images per second at the median.
@@ -173,7 +180,7 @@ pub fn run(
             "preparing {adapters} adapters of rank {rank}, {} linears",
             kernel.name()
         ));
-        let compute = (spec.precision, kernel);
+        let compute = (spec.precision, kernel, spec.lora_shrink);
         let mut engine = engine_with_adapters(&model, device, compute, adapters, adapters, rank)?;
         let batch = mixed_batch(&requests, adapters, rank);
         engine.encode(&batch, false)?; // warm-up
@@ -204,6 +211,7 @@ pub fn run(
                 rank,
                 precision: spec.precision.name().to_owned(),
                 linear_kernel: kernel.name().to_owned(),
+                lora_shrink: shrink_name(spec.lora_shrink, device),
                 median_ms,
                 img_per_s: spec.images as f64 / (median_ms / 1e3),
                 ratio_vs_base: paired_ratio(&times[0], own),
@@ -249,13 +257,21 @@ fn random_images(
         .collect())
 }
 
-/// An engine around `model` computing in `precision` with `kernel` for the linears, with `slots`
-/// GPU slots and `loaded` random adapters of `rank` registered (named `r{rank}-{k}`), all held
-/// in host memory.
+/// The shrink shader `kernel` runs on `device`, for a record (`None` on the CPU backend).
+fn shrink_name(kernel: ShrinkKernel, device: &RuntimeDevice) -> Option<String> {
+    device
+        .wgpu
+        .as_ref()
+        .map(|_| kernel.resolve(device).name().to_owned())
+}
+
+/// An engine around `model` computing in `precision` with `linear_kernel` for the linears and
+/// `lora_shrink` for the LoRA shrink, with `slots` GPU slots and `loaded` random adapters of
+/// `rank` registered (named `r{rank}-{k}`), all held in host memory.
 fn engine_with_adapters(
     model: &Qwen2VlVision,
     device: &RuntimeDevice,
-    (precision, linear_kernel): (Precision, LinearKernel),
+    (precision, linear_kernel, lora_shrink): (Precision, LinearKernel, ShrinkKernel),
     slots: usize,
     loaded: usize,
     rank: usize,
@@ -267,6 +283,7 @@ fn engine_with_adapters(
         max_step_rows: usize::MAX,
         precision,
         linear_kernel,
+        lora_shrink,
     };
     let mut engine = Engine::with_model(
         model.clone(),
@@ -389,6 +406,7 @@ mod tests {
             repeats: 1,
             precision: Precision::F32,
             linear_kernel: LinearKernel::Auto,
+            lora_shrink: ShrinkKernel::Auto,
         };
         let mut seen = Vec::new();
         let records = run(&spec, &crate::device::cpu(), "cpu", |c| {

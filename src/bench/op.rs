@@ -11,7 +11,7 @@ use serde::Serialize;
 
 use crate::device::{Precision, RuntimeDevice};
 use crate::lora::meta::KernelMeta;
-use crate::lora::ops::{LoraBatch, LoraSlice, lora_apply};
+use crate::lora::ops::{LoraBatch, LoraSlice, ShrinkKernel, lora_apply};
 use crate::model::gemm::{LinearKernel, linear};
 use crate::model::qwen2_vl::{DEFAULT_BUFFER_LIMIT, VisionConfig};
 
@@ -32,6 +32,8 @@ pub struct OpShape {
     pub precision: Precision,
     /// The base linear's kernel (resolved for the device when the inputs are made).
     pub linear_kernel: LinearKernel,
+    /// The op's shrink shader on a GPU.
+    pub lora_shrink: ShrinkKernel,
 }
 
 impl OpShape {
@@ -45,6 +47,7 @@ impl OpShape {
             adapters,
             precision: Precision::F32,
             linear_kernel: LinearKernel::Auto,
+            lora_shrink: ShrinkKernel::Auto,
         }
     }
 }
@@ -74,6 +77,7 @@ impl OpInputs {
             adapters,
             precision,
             linear_kernel,
+            lora_shrink,
         } = shape;
         let dtype = precision.dtype();
         let token_slots: Vec<i32> = (0..rows).map(|r| (r % adapters) as i32).collect();
@@ -111,7 +115,7 @@ impl OpInputs {
                 .cast(dtype),
                 offset: 0,
             },
-            batch: LoraBatch::new(meta, d),
+            batch: LoraBatch::with_shrink(meta, on, lora_shrink),
             slots: Tensor::from_data(TensorData::new(token_slots, [rows]), d),
             naive_chunk: usize::try_from(limit / gathered_row)
                 .unwrap_or(rows)
@@ -201,8 +205,10 @@ pub struct OpRecord {
     pub adapters: usize,
     /// `f32` or `f16`.
     pub precision: String,
-    /// The base linear's kernel: `burn` or `wgsl`.
+    /// The base linear's kernel: `burn`, `wgsl` or `tiled`.
     pub linear_kernel: String,
+    /// The op's shrink shader: `split` or `registers` (`None` on the CPU backend).
+    pub lora_shrink: Option<String>,
     /// The base linear alone, median ms.
     pub base_ms: f64,
     /// The base linear plus the op, median ms.
@@ -242,6 +248,7 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, kind: &str, repeats: usize) -> Op
         adapters: shape.adapters,
         precision: shape.precision.name().to_owned(),
         linear_kernel: inputs.shape.linear_kernel.name().to_owned(),
+        lora_shrink: super::shrink_name(shape.lora_shrink, on),
         base_ms: super::median(base),
         lora_ms: super::median(lora),
         naive_ms: super::median(naive),

@@ -11,9 +11,12 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::{Preset, engine_with_adapters, in_turns, median, mixed_batch, random_images};
+use super::{
+    Preset, engine_with_adapters, in_turns, median, mixed_batch, random_images, shrink_name,
+};
 use crate::device::{Precision, RuntimeDevice};
 use crate::engine::{Engine, EngineError, Request};
+use crate::lora::ops::ShrinkKernel;
 use crate::model::gemm::LinearKernel;
 use crate::model::qwen2_vl::Qwen2VlVision;
 use crate::preprocess::PreprocessConfig;
@@ -46,6 +49,8 @@ pub struct ScaleSpec {
     pub precision: Precision,
     /// The linear layers' kernel.
     pub linear_kernel: LinearKernel,
+    /// The LoRA shrink shader on a GPU.
+    pub lora_shrink: ShrinkKernel,
 }
 
 /// Image side of the sweep by default: 64 images of it are 4096 tower rows.
@@ -68,6 +73,7 @@ impl Default for ScaleSpec {
             adapter_images: 64,
             precision: Precision::F32,
             linear_kernel: LinearKernel::Auto,
+            lora_shrink: ShrinkKernel::Auto,
         }
     }
 }
@@ -101,8 +107,10 @@ pub struct ScaleRecord {
     pub steps: usize,
     /// `f32` or `f16`.
     pub precision: String,
-    /// The linear layers' kernel: `burn` or `wgsl`.
+    /// The linear layers' kernel: `burn`, `wgsl` or `tiled`.
     pub linear_kernel: String,
+    /// The LoRA shrink shader: `split` or `registers` (`None` on the CPU backend).
+    pub lora_shrink: Option<String>,
     /// Median time of one batch.
     pub median_ms: f64,
     /// `median_ms / images`.
@@ -251,7 +259,11 @@ impl Sweep<'_> {
         let mut engine = engine_with_adapters(
             self.model,
             self.device,
-            (self.spec.precision, self.linear_kernel),
+            (
+                self.spec.precision,
+                self.linear_kernel,
+                self.spec.lora_shrink,
+            ),
             slots,
             adapters,
             rank,
@@ -297,6 +309,7 @@ impl Sweep<'_> {
             steps: warm.steps,
             precision: self.spec.precision.name().to_owned(),
             linear_kernel: self.linear_kernel.name().to_owned(),
+            lora_shrink: shrink_name(self.spec.lora_shrink, self.device),
             median_ms,
             ms_per_image: median_ms / images as f64,
             img_per_s: images as f64 / (median_ms / 1e3),
@@ -342,6 +355,7 @@ mod tests {
             adapter_images: 5,
             precision: Precision::F32,
             linear_kernel: LinearKernel::Auto,
+            lora_shrink: ShrinkKernel::Auto,
         };
         let records = run(&spec, &crate::device::cpu(), "cpu", |_| ()).unwrap();
         let seen: Vec<_> = records

@@ -7,6 +7,7 @@ use mmlora::bench::op::OpShape;
 use mmlora::bench::scale::{self, ScaleSpec};
 use mmlora::bench::{self, BenchSpec, Preset};
 use mmlora::device::{self, DeviceChoice, Precision, RuntimeDevice};
+use mmlora::lora::ops::ShrinkKernel;
 use mmlora::model::gemm::LinearKernel;
 
 use super::CliError;
@@ -46,6 +47,10 @@ pub struct BenchArgs {
     /// candidate (Burn's; on a hardware GPU our tiled one), to compare them in one run.
     #[arg(long, value_enum, default_value = "auto")]
     linear_kernel: LinearKernel,
+    /// The LoRA shrink shader on a GPU (auto: registers on a software GPU, split on a hardware
+    /// one; either needs a GPU device).
+    #[arg(long, value_enum, default_value = "auto")]
+    lora_shrink: ShrinkKernel,
     /// One JSON object per configuration instead of a table.
     #[arg(long)]
     json: bool,
@@ -117,6 +122,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         repeats: args.repeats,
         precision: args.precision,
         linear_kernel: args.linear_kernel,
+        lora_shrink: args.lora_shrink,
     };
     let records = bench::run(&spec, &runtime, kind, |configuration| {
         eprintln!("{configuration}…");
@@ -135,6 +141,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
             let shape = OpShape {
                 precision: spec.precision,
                 linear_kernel: spec.linear_kernel,
+                lora_shrink: spec.lora_shrink,
                 ..OpShape::qkv(&spec.preset.config(), rows, rank, mixed)
             };
             ops.push(bench::op::run(shape, &runtime, kind, spec.repeats));
@@ -152,13 +159,19 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         }
     } else {
         println!(
-            "{:>8} {:>5} {:>7} {:>12} {:>10} {:>14}",
-            "adapters", "rank", "linear", "median ms", "img/s", "vs base"
+            "{:>8} {:>5} {:>7} {:>9} {:>12} {:>10} {:>14}",
+            "adapters", "rank", "linear", "shrink", "median ms", "img/s", "vs base"
         );
         for r in &records {
             println!(
-                "{:>8} {:>5} {:>7} {:>12.1} {:>10.2} {:>13.3}×",
-                r.adapters, r.rank, r.linear_kernel, r.median_ms, r.img_per_s, r.ratio_vs_base
+                "{:>8} {:>5} {:>7} {:>9} {:>12.1} {:>10.2} {:>13.3}×",
+                r.adapters,
+                r.rank,
+                r.linear_kernel,
+                r.lora_shrink.as_deref().unwrap_or("native"),
+                r.median_ms,
+                r.img_per_s,
+                r.ratio_vs_base
             );
         }
         if !ops.is_empty() {
@@ -204,6 +217,7 @@ fn run_scale(args: BenchArgs, runtime: &RuntimeDevice, kind: &str) -> Result<(),
         slots: args.slots,
         precision: args.precision,
         linear_kernel: args.linear_kernel,
+        lora_shrink: args.lora_shrink,
     };
     let records = scale::run(&spec, runtime, kind, |configuration| {
         eprintln!("{configuration}…");

@@ -8,6 +8,7 @@ use mmlora::adapters::PeftAdapter;
 use mmlora::device::{self, DeviceChoice, Precision};
 use mmlora::engine::batch::Batch;
 use mmlora::engine::{Encoded, Engine, EngineOptions, ImageSource, Request};
+use mmlora::lora::ops::ShrinkKernel;
 use mmlora::model::gemm::LinearKernel;
 
 use super::output::{OutputTensor, check_writable_folder, write_safetensors};
@@ -51,6 +52,10 @@ pub struct EncodeArgs {
     /// on one, Burn's on a hardware one; wgsl and tiled need a GPU device).
     #[arg(long, value_enum, default_value = "auto")]
     linear_kernel: LinearKernel,
+    /// The LoRA shrink shader on a GPU (auto: registers on a software GPU, split on a hardware
+    /// one; either needs a GPU device).
+    #[arg(long, value_enum, default_value = "auto")]
+    lora_shrink: ShrinkKernel,
 }
 
 /// Runs `mmlora encode`.
@@ -73,6 +78,7 @@ pub fn run(args: EncodeArgs) -> Result<(), CliError> {
             .max(args.max_loras),
         precision: args.precision,
         linear_kernel: args.linear_kernel,
+        lora_shrink: args.lora_shrink,
         ..EngineOptions::default()
     };
     let started = Instant::now();

@@ -28,7 +28,7 @@ use crate::adapters::registry::{AdapterKey, AdapterRegistry};
 use crate::adapters::{AdapterError, PeftAdapter, install};
 use crate::device::{Precision, RuntimeDevice};
 use crate::lora::meta::{KernelMeta, MetaError, SlotTable};
-use crate::lora::ops::{LoraBatch, MAX_RANK};
+use crate::lora::ops::{LoraBatch, MAX_RANK, ShrinkKernel};
 use crate::mapping::{
     AdapterRequest, EncoderCache, LoraState, MappingError, MmFeature, Modality, PlaceholderRange,
     SpatialMergeCounts, set_active_mm_loras,
@@ -54,6 +54,8 @@ pub struct EngineOptions {
     pub precision: Precision,
     /// Which kernel computes the linear layers' base products on a GPU.
     pub linear_kernel: LinearKernel,
+    /// Which shader computes the LoRA shrink on a GPU.
+    pub lora_shrink: ShrinkKernel,
 }
 
 impl Default for EngineOptions {
@@ -65,6 +67,7 @@ impl Default for EngineOptions {
             max_step_rows: 16_384,
             precision: Precision::F32,
             linear_kernel: LinearKernel::Auto,
+            lora_shrink: ShrinkKernel::Auto,
         }
     }
 }
@@ -607,8 +610,8 @@ impl Engine {
         let output = self.model.forward(
             pixels,
             grids,
-            &LoraBatch::new(tower_meta, on),
-            &LoraBatch::new(connector_meta, on),
+            &LoraBatch::with_shrink(tower_meta, &self.device, self.options.lora_shrink),
+            &LoraBatch::with_shrink(connector_meta, &self.device, self.options.lora_shrink),
         )?;
         let embeds = read_back(output.embeds)?;
         let tower = with_tower.then(|| read_back(output.tower)).transpose()?;
@@ -850,6 +853,11 @@ fn check_options(options: &EngineOptions, device: &RuntimeDevice) -> Result<(), 
         Some(format!(
             "the {} linear kernel needs a GPU device (the CPU backend uses Flex's matmul)",
             options.linear_kernel.name()
+        ))
+    } else if options.lora_shrink != ShrinkKernel::Auto && device.wgpu.is_none() {
+        Some(format!(
+            "the {} LoRA shrink kernel needs a GPU device (the CPU backend has its own op)",
+            options.lora_shrink.name()
         ))
     } else {
         None

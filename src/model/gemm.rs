@@ -332,13 +332,7 @@ fn unrolled() -> [String; 4] {
             .flat_map(|r| (0..COLUMNS).map(move |c| line(r, c)))
             .collect::<Vec<_>>()
     };
-    let block = |indent: &str, parts: &[Vec<String>]| {
-        parts
-            .concat()
-            .iter()
-            .map(|line| format!("{indent}{line}\n"))
-            .collect::<String>()
-    };
+    let block = |indent: &str, parts: &[Vec<String>]| wgsl::statements(indent, &parts.concat());
     [
         block(
             "    ",

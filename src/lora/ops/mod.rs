@@ -5,8 +5,9 @@
 //! [`KernelMeta`]:
 //! - [`native`]: the CPU backend (Flex): for each slot's rows, two `gemm` calls on the tensors'
 //!   memory, the expand adding into the output in place. Checked against a float64 per-row loop.
-//! - [`wgsl`]: our shaders (`shaders/lora_shrink.wgsl`, `shaders/lora_expand.wgsl`) on Burn's
-//!   wgpu buffers, walking the same segments in tiles of rows.
+//! - [`wgsl`]: our shaders (`shaders/lora_shrink*.wgsl`, `shaders/lora_expand*.wgsl`) on
+//!   Burn's wgpu buffers, walking the same segments in tiles of rows; the shrink shader is the
+//!   batch's [`ShrinkKernel`], picked for the device.
 //!
 //! Rows whose slot is [`NO_SLOT`](crate::lora::meta::NO_SLOT) keep `base` bit-for-bit. Callers
 //! use [`lora_apply`], which checks shapes, ranks, slots and row counts and returns a typed
@@ -23,9 +24,10 @@ use burn::backend::{
     Dispatch, backend_extension,
     tensor::{FloatTensor, IntTensor},
 };
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 
 use super::meta::KernelMeta;
+use crate::device::RuntimeDevice;
 
 /// The largest adapter rank the op accepts (vLLM's largest `max_lora_rank`).
 pub const MAX_RANK: usize = 512;
@@ -33,9 +35,53 @@ pub const MAX_RANK: usize = 512;
 /// Rows per tile: the WGSL kernels give each workgroup up to this many rows of one slot.
 pub const TILE_ROWS: usize = 16;
 
+/// Which shader computes the shrink (`x · A[slot]ᵀ`) on a wgpu device; the CPU backend has one
+/// implementation and ignores it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, clap::ValueEnum)]
+pub enum ShrinkKernel {
+    /// `registers` on a software rasterizer (lavapipe), where it is measured faster; `split`
+    /// on a hardware GPU and on the CPU.
+    #[default]
+    Auto,
+    /// `shaders/lora_shrink.wgsl`: 64 threads per tile, each four rows by the whole rank block
+    /// over every 16th column, for hardware GPUs.
+    Split,
+    /// `shaders/lora_shrink_registers.wgsl`: 8 threads per tile (one llvmpipe SIMD vector),
+    /// each every row by the whole rank block over every 8th column, its sums in registers; for
+    /// software rasterizers.
+    Registers,
+}
+
+impl ShrinkKernel {
+    /// The name the command line and the bench records use.
+    pub fn name(self) -> &'static str {
+        match self {
+            ShrinkKernel::Auto => "auto",
+            ShrinkKernel::Split => "split",
+            ShrinkKernel::Registers => "registers",
+        }
+    }
+
+    /// The kernel `self` picks on `device`: never `Auto`.
+    pub fn resolve(self, device: &RuntimeDevice) -> Self {
+        match self {
+            ShrinkKernel::Auto if device.wgpu.is_some() && !device.hardware_gpu => {
+                ShrinkKernel::Registers
+            }
+            ShrinkKernel::Auto => ShrinkKernel::Split,
+            chosen => chosen,
+        }
+    }
+}
+
 /// Host-side kernel metadata carried into the backend implementations.
 #[derive(Debug, Clone)]
-pub struct LoraPlan(pub Arc<KernelMeta>);
+pub struct LoraPlan {
+    /// The rows' slots, sorted and tiled.
+    pub meta: Arc<KernelMeta>,
+    /// The shrink shader the WGSL implementation launches (resolved: never `Auto`).
+    pub shrink: ShrinkKernel,
+}
 
 /// The LoRA-apply op as a Burn backend extension.
 #[backend_extension(Cube, Flex, Fusion)]
@@ -70,8 +116,14 @@ pub struct LoraBatch {
 }
 
 impl LoraBatch {
-    /// Uploads `meta` to `device`.
-    pub fn new(meta: KernelMeta, device: &Device) -> Self {
+    /// Uploads `meta` to `device`, for the shrink kernel the device runs best
+    /// ([`ShrinkKernel::Auto`]).
+    pub fn new(meta: KernelMeta, device: &RuntimeDevice) -> Self {
+        Self::with_shrink(meta, device, ShrinkKernel::Auto)
+    }
+
+    /// Uploads `meta` to `device`, for the shrink kernel `shrink` picks there.
+    pub fn with_shrink(meta: KernelMeta, device: &RuntimeDevice, shrink: ShrinkKernel) -> Self {
         let sorted: Vec<i32> = meta.sorted_tokens().iter().map(|&r| r as i32).collect();
         let tiles: Vec<i32> = meta
             .tiles(TILE_ROWS)
@@ -79,18 +131,26 @@ impl LoraBatch {
             .collect();
         let upload = |v: Vec<i32>| {
             let n = v.len();
-            Tensor::<1, Int>::from_data(TensorData::new(v, [n]), device)
+            Tensor::<1, Int>::from_data(TensorData::new(v, [n]), &device.device)
         };
         Self {
             sorted_tokens: upload(sorted),
             tiles: upload(tiles),
-            plan: LoraPlan(Arc::new(meta)),
+            plan: LoraPlan {
+                meta: Arc::new(meta),
+                shrink: shrink.resolve(device),
+            },
         }
     }
 
     /// The host-side metadata.
     pub fn meta(&self) -> &KernelMeta {
-        &self.plan.0
+        &self.plan.meta
+    }
+
+    /// The shrink kernel the batch runs (never `Auto`).
+    pub fn shrink(&self) -> ShrinkKernel {
+        self.plan.shrink
     }
 }
 
@@ -298,9 +358,13 @@ mod tests {
     }
 
     fn batch(token_slots: Vec<i32>, slots: usize) -> LoraBatch {
+        batch_on(token_slots, slots, &device::cpu())
+    }
+
+    fn batch_on(token_slots: Vec<i32>, slots: usize, on: &RuntimeDevice) -> LoraBatch {
         LoraBatch::new(
             KernelMeta::from_token_slots(token_slots, slots).unwrap(),
-            &device::cpu().device,
+            on,
         )
     }
 
@@ -377,6 +441,29 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn auto_shrink_takes_the_register_kernel_on_software_gpus_only() {
+        let cpu = device::cpu();
+        assert_eq!(ShrinkKernel::Auto.resolve(&cpu), ShrinkKernel::Split);
+        assert_eq!(
+            ShrinkKernel::Registers.resolve(&cpu),
+            ShrinkKernel::Registers
+        );
+        if let Some(gpu) = device::gpu_for_tests() {
+            let expected = match gpu.hardware_gpu {
+                true => ShrinkKernel::Split,
+                false => ShrinkKernel::Registers,
+            };
+            assert_eq!(batch_on(vec![0, 1], 2, &gpu).shrink(), expected);
+            let chosen = LoraBatch::with_shrink(
+                KernelMeta::from_token_slots(vec![0], 1).unwrap(),
+                &gpu,
+                ShrinkKernel::Split,
+            );
+            assert_eq!(chosen.shrink(), ShrinkKernel::Split);
+        }
     }
 
     #[test]

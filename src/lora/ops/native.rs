@@ -79,7 +79,7 @@ fn apply_f32(
     };
     debug_assert_eq!(layer.a.len(), slots * rank * in_features);
     let y_values = values_mut(&mut y);
-    let meta = &plan.0;
+    let meta = &plan.meta;
     for segment in meta.lora_segments() {
         let rows = &meta.sorted_tokens()[segment.start..segment.start + segment.len];
         layer.apply_slot(segment.slot as usize, rows, y_values);
@@ -280,8 +280,8 @@ fn values_mut(tensor: &mut FlexTensor) -> &mut [f32] {
 
 #[cfg(test)]
 mod tests {
-    use super::super::lora_apply;
     use super::super::testing::{Problem, assert_matches, check_f16, problems, reference};
+    use super::super::{ShrinkKernel, lora_apply};
     use super::{MIN_RUN, runs};
     use crate::device;
     use burn::tensor::Tensor;
@@ -309,7 +309,7 @@ mod tests {
         #![proptest_config(ProptestConfig { cases: 8, max_shrink_iters: 0, ..ProptestConfig::default() })]
         #[test]
         fn native_f16_matches_float64(problem in problems()) {
-            check_f16(&problem, &device::cpu());
+            check_f16(&problem, &device::cpu(), ShrinkKernel::Auto);
         }
     }
 

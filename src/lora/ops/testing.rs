@@ -3,7 +3,7 @@
 use burn::tensor::{DType, Distribution, Tensor};
 use proptest::prelude::*;
 
-use super::{LoraBatch, LoraSlice, lora_apply};
+use super::{LoraBatch, LoraSlice, ShrinkKernel, lora_apply};
 use crate::device::RuntimeDevice;
 use crate::lora::meta::{KernelMeta, NO_SLOT};
 
@@ -75,8 +75,19 @@ impl ProblemData {
 
     /// The op's result on `device` (the data moved there first), back on the CPU.
     pub fn apply(&self, problem: &Problem, device: &RuntimeDevice) -> Tensor<2> {
+        self.apply_with(problem, device, ShrinkKernel::Auto)
+    }
+
+    /// The same with the shrink kernel `shrink` picks on `device`.
+    pub fn apply_with(
+        &self,
+        problem: &Problem,
+        device: &RuntimeDevice,
+        shrink: ShrinkKernel,
+    ) -> Tensor<2> {
         let on = self.to_device(device);
-        lora_apply(on.x, on.base, &on.slices, &problem.batch(device))
+        let batch = LoraBatch::with_shrink(problem.meta(), device, shrink);
+        lora_apply(on.x, on.base, &on.slices, &batch)
             .unwrap()
             .to_device(&crate::device::cpu().device)
     }
@@ -100,7 +111,7 @@ impl Problem {
 
     /// The metadata uploaded to `device`.
     pub fn batch(&self, device: &RuntimeDevice) -> LoraBatch {
-        LoraBatch::new(self.meta(), &device.device)
+        LoraBatch::new(self.meta(), device)
     }
 
     /// Random tensors for the problem, on `device`.
@@ -206,7 +217,7 @@ pub fn reference(problem: &Problem, data: &ProblemData) -> Reference {
 /// The op on `device` with every tensor in f16, against float64 on the same (f16) values: the
 /// kernels sum in f32 and round each output to f16 once, so the bound is the f32 one with f16's
 /// unit roundoff for the final rounding.
-pub fn check_f16(problem: &Problem, device: &RuntimeDevice) {
+pub fn check_f16(problem: &Problem, device: &RuntimeDevice, shrink: ShrinkKernel) {
     let cpu = crate::device::cpu();
     let data = problem.data(&cpu).cast(DType::F16).cast(DType::F32);
     let mut expected = reference(problem, &data);
@@ -215,7 +226,7 @@ pub fn check_f16(problem: &Problem, device: &RuntimeDevice) {
     }
     let y = data
         .cast(DType::F16)
-        .apply(problem, device)
+        .apply_with(problem, device, shrink)
         .cast(DType::F32);
     assert_matches(problem, &data, &expected, &y, 1.0);
 }
@@ -268,6 +279,11 @@ enum Mix {
     Random,
     /// Runs of up to 300 rows per slot, as images lay out their patches.
     Blocks,
+}
+
+/// Either shrink kernel, for a random test to run on.
+pub fn shrink_kernels() -> impl Strategy<Value = ShrinkKernel> {
+    prop_oneof![Just(ShrinkKernel::Split), Just(ShrinkKernel::Registers)]
 }
 
 /// Random problems: 1..2000 rows, widths from [`WIDTHS`], ranks 1..=64, 1..=16 slots, one to

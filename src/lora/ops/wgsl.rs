@@ -5,6 +5,10 @@
 //! columns. Both walk the [tiles](crate::lora::meta::KernelMeta::tiles) of the slot-sorted rows,
 //! so a workgroup always serves one slot and the cost stays flat as adapters mix.
 //!
+//! Shrink has two shaders, picked by the batch's [`ShrinkKernel`]: `lora_shrink.wgsl` (64
+//! threads per tile, for hardware GPUs) and `lora_shrink_registers.wgsl` (8 threads per tile,
+//! every sum in a variable of its own; for llvmpipe, where it makes the op 1.15–1.90× faster).
+//!
 //! Each kernel exists for `f32` and `f16` tensors ([`Elem`]); sums and the scratch stay `f32`.
 //! Each also has a `vec4` form that reads and writes four elements per access, taken where the
 //! widths it indexes are multiples of 4 (every Qwen2-VL layer, and ranks 4, 8, 16, …): shrink as
@@ -19,10 +23,10 @@ use burn_cubecl::cubecl::prelude::KernelId;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
-use super::{LoraBackend, LoraPlan, TILE_ROWS};
+use super::{LoraBackend, LoraPlan, ShrinkKernel, TILE_ROWS};
 use crate::wgsl::{self, Elem};
 
-/// Invocations per workgroup, shared by both shaders (`{{ workgroup }}`).
+/// Invocations per workgroup of `lora_shrink.wgsl` and the expand shaders (`{{ workgroup }}`).
 pub const WORKGROUP: u32 = 64;
 
 /// The largest rank block one shrink workgroup sums (`{{ rank_tile }}` is at most this).
@@ -35,6 +39,11 @@ pub enum LoraShader {
     Shrink,
     /// `shaders/lora_shrink.wgsl`, four columns per load: `in_features` a multiple of 4.
     ShrinkVec4,
+    /// `shaders/lora_shrink_registers.wgsl` (sums in registers, for software rasterizers),
+    /// one column per load: any width.
+    ShrinkRegisters,
+    /// `shaders/lora_shrink_registers.wgsl`, four columns per load: `in_features` a multiple of 4.
+    ShrinkRegistersVec4,
     /// `shaders/lora_expand.wgsl`: any widths.
     Expand,
     /// `shaders/lora_expand_vec4.wgsl`: rank and every output width and offset multiples of 4.
@@ -43,19 +52,23 @@ pub enum LoraShader {
 
 impl LoraShader {
     /// Every kernel, for tests that check them all.
-    pub const ALL: [LoraShader; 4] = [
+    pub const ALL: [LoraShader; 6] = [
         LoraShader::Shrink,
         LoraShader::ShrinkVec4,
+        LoraShader::ShrinkRegisters,
+        LoraShader::ShrinkRegistersVec4,
         LoraShader::Expand,
         LoraShader::ExpandVec4,
     ];
 
-    /// The shrink kernel for an input of `in_features` columns.
-    pub fn shrink(in_features: usize) -> Self {
-        if in_features.is_multiple_of(4) {
-            LoraShader::ShrinkVec4
-        } else {
-            LoraShader::Shrink
+    /// The shrink shader of `kernel` (resolved) for an input of `in_features` columns.
+    pub fn shrink(kernel: ShrinkKernel, in_features: usize) -> Self {
+        let vec4 = in_features.is_multiple_of(4);
+        match (kernel, vec4) {
+            (ShrinkKernel::Registers, true) => LoraShader::ShrinkRegistersVec4,
+            (ShrinkKernel::Registers, false) => LoraShader::ShrinkRegisters,
+            (_, true) => LoraShader::ShrinkVec4,
+            (_, false) => LoraShader::Shrink,
         }
     }
 
@@ -76,6 +89,9 @@ impl LoraShader {
     pub fn file_name(self) -> &'static str {
         match self {
             LoraShader::Shrink | LoraShader::ShrinkVec4 => "lora_shrink.wgsl",
+            LoraShader::ShrinkRegisters | LoraShader::ShrinkRegistersVec4 => {
+                "lora_shrink_registers.wgsl"
+            }
             LoraShader::Expand => "lora_expand.wgsl",
             LoraShader::ExpandVec4 => "lora_expand_vec4.wgsl",
         }
@@ -85,6 +101,9 @@ impl LoraShader {
         match self {
             LoraShader::Shrink | LoraShader::ShrinkVec4 => {
                 include_str!("../../../shaders/lora_shrink.wgsl")
+            }
+            LoraShader::ShrinkRegisters | LoraShader::ShrinkRegistersVec4 => {
+                include_str!("../../../shaders/lora_shrink_registers.wgsl")
             }
             LoraShader::Expand => include_str!("../../../shaders/lora_expand.wgsl"),
             LoraShader::ExpandVec4 => include_str!("../../../shaders/lora_expand_vec4.wgsl"),
@@ -96,7 +115,9 @@ impl LoraShader {
     /// `vec4<f32>` (`{{ widen }}`). Expand: unused.
     fn shrink_load(self) -> (u32, &'static str, &'static str) {
         match self {
-            LoraShader::ShrinkVec4 => (4, "vec4<ELEM>", "vec4<f32>(v)"),
+            LoraShader::ShrinkVec4 | LoraShader::ShrinkRegistersVec4 => {
+                (4, "vec4<ELEM>", "vec4<f32>(v)")
+            }
             _ => (1, "ELEM", "vec4<f32>(f32(v), 0.0, 0.0, 0.0)"),
         }
     }
@@ -107,6 +128,14 @@ impl LoraShader {
         match self {
             LoraShader::ExpandVec4 => 8,
             _ => 4,
+        }
+    }
+
+    /// Invocations per workgroup.
+    fn workgroup(self) -> u32 {
+        match self {
+            LoraShader::ShrinkRegisters | LoraShader::ShrinkRegistersVec4 => SHRINK_SPLIT,
+            _ => WORKGROUP,
         }
     }
 
@@ -133,6 +162,76 @@ pub fn rank_tiles() -> impl Iterator<Item = u32> {
     [4, 8, 16, 32].into_iter()
 }
 
+/// Threads per workgroup of `lora_shrink_registers.wgsl`: one SIMD vector of llvmpipe's.
+pub const SHRINK_SPLIT: u32 = 8;
+
+/// The statements `shaders/lora_shrink_registers.wgsl` repeats for each row of the tile and
+/// each block of four ranks, written out with a variable each: `{{ setup }}`, `{{ load_a }}`,
+/// `{{ accumulate }}` and `{{ reduce }}`.
+fn shrink_unrolled(rank_tile: u32) -> [String; 4] {
+    let rows = 0..TILE_ROWS as u32;
+    let blocks = 0..rank_tile / 4;
+    let setup = [
+        rows.clone()
+            .map(|m| {
+                format!("let x_{m} = u32(sorted_tokens[start + min({m}u, len - 1u)]) * width;")
+            })
+            .collect::<Vec<_>>(),
+        (0..rank_tile)
+            .map(|j| format!("let a_{j} = (slot * rank + min(rank0 + {j}u, rank - 1u)) * width;"))
+            .collect(),
+        rows.clone()
+            .flat_map(|m| {
+                blocks
+                    .clone()
+                    .map(move |q| format!("var sum_{m}_{q} = vec4<f32>();"))
+            })
+            .collect(),
+    ]
+    .concat();
+    let load_a: Vec<String> = blocks
+        .clone()
+        .map(|q| {
+            let columns: Vec<String> = (4 * q..4 * q + 4)
+                .map(|j| format!("widen(lora_a[a_{j} + k])"))
+                .collect();
+            format!("let m_{q} = mat4x4<f32>({});", columns.join(", "))
+        })
+        .collect();
+    let accumulate: Vec<String> = rows
+        .clone()
+        .map(|m| {
+            let adds: String = blocks
+                .clone()
+                .map(|q| format!(" sum_{m}_{q} += v * m_{q};"))
+                .collect();
+            format!("{{ let v = widen(x[x_{m} + k]);{adds} }}")
+        })
+        .collect();
+    let reduce: Vec<String> = blocks
+        .clone()
+        .flat_map(|q| {
+            let mut block: Vec<String> = rows
+                .clone()
+                .map(|m| format!("partial[lid * TILE_ROWS + {m}u] = sum_{m}_{q};"))
+                .collect();
+            block.push("workgroupBarrier();".into());
+            block.push(format!(
+                "for (var m = lid; m < TILE_ROWS; m += SPLIT) {{ store(m, rank0 + {}u, start, len, rank); }}",
+                4 * q
+            ));
+            block.push("workgroupBarrier();".into());
+            block
+        })
+        .collect();
+    [
+        wgsl::statements("    ", &setup),
+        wgsl::statements("        ", &load_a),
+        wgsl::statements("        ", &accumulate),
+        wgsl::statements("    ", &reduce),
+    ]
+}
+
 /// A shader specialised for one rank block and element type.
 #[derive(Debug, Clone, Copy)]
 struct LoraKernel {
@@ -144,8 +243,20 @@ struct LoraKernel {
 impl KernelSource for LoraKernel {
     fn source(&self) -> SourceTemplate {
         let (lanes, load, widen) = self.shader.shrink_load();
-        SourceTemplate::new(self.shader.template())
-            .register("workgroup", WORKGROUP.to_string())
+        let template = SourceTemplate::new(self.shader.template());
+        let template = match self.shader {
+            LoraShader::ShrinkRegisters | LoraShader::ShrinkRegistersVec4 => {
+                let [setup, load_a, accumulate, reduce] = shrink_unrolled(self.rank_tile);
+                template
+                    .register("setup", setup)
+                    .register("load_a", load_a)
+                    .register("accumulate", accumulate)
+                    .register("reduce", reduce)
+            }
+            _ => template,
+        };
+        template
+            .register("workgroup", self.shader.workgroup().to_string())
             .register("tile_rows", TILE_ROWS.to_string())
             .register("rank_tile", self.rank_tile.to_string())
             .register("columns", self.shader.columns().to_string())
@@ -186,7 +297,13 @@ fn launch(
         (d, read),
         (output, output_io),
     ];
-    wgsl::launch(kernel, WORKGROUP, workgroups, &buffers, params);
+    wgsl::launch(
+        kernel,
+        kernel.shader.workgroup(),
+        workgroups,
+        &buffers,
+        params,
+    );
 }
 
 impl LoraBackend for CubeBackend {
@@ -217,10 +334,10 @@ impl LoraBackend for CubeBackend {
         let in_features = x.meta.shape()[1];
         let out_total = output.meta.shape()[1];
         let [_, out_features, rank] = [b.meta.shape()[0], b.meta.shape()[1], b.meta.shape()[2]];
-        let n_tiles = plan.0.tiles(TILE_ROWS).count();
+        let n_tiles = plan.meta.tiles(TILE_ROWS).count();
         let rank_tile = rank_tile(rank);
         let elem = Elem::of(x.dtype);
-        let shrink = LoraShader::shrink(in_features);
+        let shrink = LoraShader::shrink(plan.shrink, in_features);
         let expand = LoraShader::expand(rank, out_features, out_total, out_offset);
 
         let shrunk = empty_device_contiguous_dtype(
@@ -267,7 +384,7 @@ impl LoraBackend for CubeBackend {
 #[cfg(test)]
 mod tests {
     use super::super::testing::{
-        Problem, Reference, assert_matches, check_f16, problems, reference, to_f64,
+        Problem, Reference, assert_matches, check_f16, problems, reference, shrink_kernels, to_f64,
     };
     use super::super::{LoraSlice, lora_apply};
     use super::*;
@@ -277,8 +394,8 @@ mod tests {
     use crate::wgsl::validate_and_translate;
     use proptest::prelude::*;
 
-    /// WGSL against the native op and against float64 on the same random tensors.
-    fn check(problem: &Problem) {
+    /// WGSL with `shrink` against the native op and against float64 on the same random tensors.
+    fn check(problem: &Problem, shrink: ShrinkKernel) {
         let Some(gpu) = device::gpu_for_tests() else {
             return;
         };
@@ -286,7 +403,7 @@ mod tests {
         let data = problem.data(&cpu);
         let expected = reference(problem, &data);
         let native = data.apply(problem, &cpu);
-        let wgsl = data.apply(problem, &gpu);
+        let wgsl = data.apply_with(problem, &gpu, shrink);
         // Tolerance: each path is within Higham's f32 bound of the exact answer (`Reference`),
         // so they are within twice that bound of each other; rows without adapter are checked
         // bit-for-bit against base by `assert_matches`.
@@ -301,29 +418,29 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 24, max_shrink_iters: 0, ..ProptestConfig::default() })]
         #[test]
-        fn wgsl_matches_native_on_random_problems(problem in problems()) {
-            check(&problem);
+        fn wgsl_matches_native_on_random_problems(problem in problems(), shrink in shrink_kernels()) {
+            check(&problem, shrink);
         }
     }
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 12, max_shrink_iters: 0, ..ProptestConfig::default() })]
         #[test]
-        fn wgsl_f16_matches_float64(problem in problems()) {
+        fn wgsl_f16_matches_float64(problem in problems(), shrink in shrink_kernels()) {
             // An adapter without SHADER_F16 (llvmpipe through OpenGL, say) has no f16 kernels.
             if let Some(gpu) = device::gpu_for_tests()
                 && gpu.supports(crate::device::Precision::F16)
             {
-                check_f16(&problem, &gpu);
+                check_f16(&problem, &gpu, shrink);
             }
         }
     }
 
-    /// The kernels `lora_apply` launches for `problem`.
-    fn shaders_for(problem: &Problem) -> Vec<LoraShader> {
+    /// The kernels `lora_apply` launches for `problem` with `shrink`.
+    fn shaders_for(problem: &Problem, shrink: ShrinkKernel) -> Vec<LoraShader> {
         let out_total = problem.slices.iter().map(|&(width, _)| width).sum();
         let mut offset = 0;
-        let mut shaders = vec![LoraShader::shrink(problem.in_features)];
+        let mut shaders = vec![LoraShader::shrink(shrink, problem.in_features)];
         for &(width, rank) in &problem.slices {
             shaders.push(LoraShader::expand(rank, width, out_total, offset));
             offset += width;
@@ -370,12 +487,18 @@ mod tests {
             token_slots: (0..50).map(|r| r % 3 - 1).collect(),
         });
 
-        let launched: Vec<LoraShader> = problems.iter().flat_map(shaders_for).collect();
+        let shrinks = [ShrinkKernel::Split, ShrinkKernel::Registers];
+        let launched: Vec<LoraShader> = problems
+            .iter()
+            .flat_map(|p| shrinks.iter().flat_map(|&s| shaders_for(p, s)))
+            .collect();
         for shader in LoraShader::ALL {
             assert!(launched.contains(&shader), "no edge case runs {shader:?}");
         }
         for problem in &problems {
-            check(problem);
+            for shrink in shrinks {
+                check(problem, shrink);
+            }
         }
     }
 
