@@ -7,7 +7,8 @@
 //!
 //! Shrink has two shaders, picked by the batch's [`ShrinkKernel`]: `lora_shrink.wgsl` (64
 //! threads per tile, for hardware GPUs) and `lora_shrink_registers.wgsl` (8 threads per tile,
-//! every sum in a variable of its own; for llvmpipe, where it makes the op 1.15–1.90× faster).
+//! every sum in a variable of its own; for llvmpipe, where it makes the op 1.1–2.6× faster at
+//! ranks 4–64: BENCHMARKS.md).
 //!
 //! Each kernel exists for `f32` and `f16` tensors ([`Elem`]); sums and the scratch stay `f32`.
 //! Each also has a `vec4` form that reads and writes four elements per access, taken where the
