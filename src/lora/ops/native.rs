@@ -3,9 +3,11 @@
 //!
 //! Rows of one slot that sit next to each other (an image's patches) form a run: shrink reads
 //! the run from `x` where it lies and expand adds into the run's rows of the output, so the op
-//! costs its arithmetic and one pass over the output columns it touches. Rows in runs shorter
-//! than [`MIN_RUN`] (rows of many requests interleaved) are gathered per slot first, so a scattered
-//! mix costs a few larger calls instead of one tiny call per row.
+//! costs its arithmetic and one pass over the output columns it touches. The runs of a call go
+//! to the rayon threads side by side, a run per core, as its thin rank-`r` products gain less
+//! from `gemm`'s own splitting (1.2–2.1× faster on 2 cores: BENCHMARKS.md). Rows in runs
+//! shorter than [`MIN_RUN`] (rows of many requests interleaved) are gathered per slot first,
+//! so a scattered mix costs a few larger calls instead of one tiny call per row.
 //!
 //! `f16` tensors are widened to `f32` for the op and the result rounded back once.
 
@@ -16,6 +18,8 @@ use burn::backend::{
 use burn::tensor::{DType, Tensor};
 use burn_flex::FlexTensor;
 use gemm::Parallelism;
+use rayon::prelude::*;
+use std::ops::Range;
 
 use super::{LoraBackend, LoraPlan};
 
@@ -80,10 +84,23 @@ fn apply_f32(
     debug_assert_eq!(layer.a.len(), slots * rank * in_features);
     let y_values = values_mut(&mut y);
     let meta = &plan.meta;
+    let mut long_runs = Vec::new();
     for segment in meta.lora_segments() {
+        let slot = segment.slot as usize;
         let rows = &meta.sorted_tokens()[segment.start..segment.start + segment.len];
-        layer.apply_slot(segment.slot as usize, rows, y_values);
+        let mut scattered = Vec::new();
+        for run in runs(rows) {
+            if run.len() >= MIN_RUN {
+                long_runs.push((slot, run));
+            } else {
+                scattered.extend(run);
+            }
+        }
+        if !scattered.is_empty() {
+            layer.apply_gathered(slot, &scattered, y_values);
+        }
     }
+    layer.apply_runs(long_runs, y_values);
     y
 }
 
@@ -103,32 +120,41 @@ struct Layer<'a> {
 }
 
 impl Layer<'_> {
-    /// Adds slot `slot`'s delta to `rows` of `y` (`[rows, out_total]`).
-    fn apply_slot(&self, slot: usize, rows: &[u32], y: &mut [f32]) {
-        let mut scattered = Vec::new();
-        for run in runs(rows) {
-            if run.len() >= MIN_RUN {
-                self.apply_run(slot, run.start, run.len(), y);
-            } else {
-                scattered.extend(run);
-            }
+    /// Each `(slot, rows)` run's delta added to its rows of `y` (`[rows, out_total]`) in place,
+    /// the runs side by side on the threads. A run's `gemm` calls are too thin for `gemm` to
+    /// split well (a rank-16 shrink is a 16-column product), so with a run per thread or more
+    /// each run takes one core; with fewer, `gemm` splits each call as well.
+    fn apply_runs(&self, mut runs: Vec<(usize, Range<usize>)>, y: &mut [f32]) {
+        runs.sort_unstable_by_key(|(_, rows)| rows.start);
+        let mut jobs = Vec::with_capacity(runs.len());
+        let (mut rest, mut rest_start) = (y, 0);
+        for (slot, rows) in runs {
+            let tail = std::mem::take(&mut rest);
+            let (_, tail) = tail.split_at_mut((rows.start - rest_start) * self.out_total);
+            let (y_run, tail) = tail.split_at_mut(rows.len() * self.out_total);
+            (rest, rest_start) = (tail, rows.end);
+            jobs.push((slot, rows, y_run));
         }
-        if !scattered.is_empty() {
-            self.apply_gathered(slot, &scattered, y);
-        }
+        let threads = if jobs.len() >= rayon::current_num_threads() {
+            Threads::One
+        } else {
+            Threads::Gemm
+        };
+        jobs.into_par_iter()
+            .for_each(|(slot, rows, y_run)| self.apply_run(slot, rows, y_run, threads));
     }
 
-    /// Rows `first .. first + len`, in place.
-    fn apply_run(&self, slot: usize, first: usize, len: usize, y: &mut [f32]) {
-        let x = &self.x[first * self.in_features..(first + len) * self.in_features];
-        let shrunk = self.shrink(slot, x, len);
-        let y_run = &mut y[first * self.out_total..(first + len) * self.out_total];
+    /// `rows` (consecutive), in place in `y_run`, their rows of `y`.
+    fn apply_run(&self, slot: usize, rows: Range<usize>, y_run: &mut [f32], threads: Threads) {
+        let x = &self.x[rows.start * self.in_features..rows.end * self.in_features];
+        let shrunk = self.shrink(slot, x, rows.len(), threads);
         self.expand(
             slot,
             &shrunk,
-            len,
+            rows.len(),
             &mut y_run[self.out_offset..],
             self.out_total,
+            threads,
         );
     }
 
@@ -140,9 +166,16 @@ impl Layer<'_> {
             .flat_map(|&row| &self.x[row * n..(row + 1) * n])
             .copied()
             .collect();
-        let shrunk = self.shrink(slot, &x, rows.len());
+        let shrunk = self.shrink(slot, &x, rows.len(), Threads::Gemm);
         let mut delta = vec![0.0; rows.len() * self.out];
-        self.expand(slot, &shrunk, rows.len(), &mut delta, self.out);
+        self.expand(
+            slot,
+            &shrunk,
+            rows.len(),
+            &mut delta,
+            self.out,
+            Threads::Gemm,
+        );
         for (&row, delta) in rows.iter().zip(delta.chunks_exact(self.out)) {
             let start = row * self.out_total + self.out_offset;
             for (y, d) in y[start..start + self.out].iter_mut().zip(delta) {
@@ -152,7 +185,7 @@ impl Layer<'_> {
     }
 
     /// `x · A[slot]ᵀ` for `m` contiguous rows of `x`: `[m, rank]`.
-    fn shrink(&self, slot: usize, x: &[f32], m: usize) -> Vec<f32> {
+    fn shrink(&self, slot: usize, x: &[f32], m: usize, threads: Threads) -> Vec<f32> {
         let (k, r) = (self.in_features, self.rank);
         let a = &self.a[slot * r * k..(slot + 1) * r * k];
         let mut shrunk = vec![0.0; m * r];
@@ -179,7 +212,7 @@ impl Layer<'_> {
                 false,
                 false,
                 false,
-                parallelism(m, r, k),
+                threads.parallelism(m, r, k),
             );
         }
         shrunk
@@ -187,7 +220,15 @@ impl Layer<'_> {
 
     /// `dst += shrunk · B[slot]ᵀ` for `m` rows; `dst` starts at the first row's first column
     /// and its rows lie `row_stride` apart.
-    fn expand(&self, slot: usize, shrunk: &[f32], m: usize, dst: &mut [f32], row_stride: usize) {
+    fn expand(
+        &self,
+        slot: usize,
+        shrunk: &[f32],
+        m: usize,
+        dst: &mut [f32],
+        row_stride: usize,
+        threads: Threads,
+    ) {
         let (r, out) = (self.rank, self.out);
         let b = &self.b[slot * out * r..(slot + 1) * out * r];
         assert!(
@@ -217,7 +258,7 @@ impl Layer<'_> {
                 false,
                 false,
                 false,
-                parallelism(m, out, r),
+                threads.parallelism(m, out, r),
             );
         }
     }
@@ -237,12 +278,24 @@ fn runs(rows: &[u32]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
     })
 }
 
-/// Splits a call over threads when it is large enough to gain from it.
-fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
-    if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_MACS {
-        Parallelism::Rayon(0)
-    } else {
-        Parallelism::None
+/// Who splits a `gemm` call over threads.
+#[derive(Debug, Clone, Copy)]
+enum Threads {
+    /// Nobody: the caller runs calls side by side.
+    One,
+    /// `gemm`, when the call is large enough to gain from it.
+    Gemm,
+}
+
+impl Threads {
+    /// The `gemm` parallelism of an `m × n × k` call.
+    fn parallelism(self, m: usize, n: usize, k: usize) -> Parallelism {
+        match self {
+            Threads::Gemm if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_MACS => {
+                Parallelism::Rayon(0)
+            }
+            _ => Parallelism::None,
+        }
     }
 }
 
