@@ -4,3 +4,4 @@ pub mod activation;
 pub mod checkpoint;
 pub mod gemm;
 pub mod qwen2_vl;
+pub mod rope;

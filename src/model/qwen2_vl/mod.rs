@@ -17,6 +17,7 @@ use crate::lora::ops::{LoraBatch, LoraOpError};
 use crate::model::activation::quick_gelu;
 use crate::model::checkpoint::{Checkpoint, CheckpointError};
 use crate::model::gemm::LinearKernel;
+use crate::model::rope;
 pub use config::{ConfigError, LoraTarget, VisionConfig};
 
 /// LayerNorm epsilon of every norm in the tower and merger.
@@ -395,8 +396,8 @@ impl Qwen2VlVision {
                 .slice([0..rows, i..i + 1])
                 .reshape([rows, heads, hd])
         };
-        let q = rotary::apply(part(0), cos, sin);
-        let k = rotary::apply(part(1), cos, sin);
+        let q = rope::rotate(part(0), cos, sin);
+        let k = rope::rotate(part(1), cos, sin);
         let v = part(2);
         let scale = (hd as f64).powf(-0.5);
         let outputs = pieces

@@ -1,4 +1,5 @@
-//! 2-D rotary position embedding over the patch grid, in merge-block order.
+//! 2-D rotary position embedding over the patch grid, in merge-block order: the angles
+//! ([`cos_sin`]); [`crate::model::rope`] rotates `q` and `k` by them.
 
 use burn::tensor::{Device, Tensor};
 
@@ -49,13 +50,4 @@ pub(super) fn cos_sin(
         host_tensor(cos, [rows, 1, hd], device),
         host_tensor(sin, [rows, 1, hd], device),
     )
-}
-
-/// `x·cos + rotate_half(x)·sin` for `x`: `[rows, heads, head_dim]`.
-pub(super) fn apply(x: Tensor<3>, cos: &Tensor<3>, sin: &Tensor<3>) -> Tensor<3> {
-    let [rows, heads, hd] = x.dims();
-    let first = x.clone().slice([0..rows, 0..heads, 0..hd / 2]);
-    let second = x.clone().slice([0..rows, 0..heads, hd / 2..hd]);
-    let rotated = Tensor::cat(vec![second.neg(), first], 2);
-    x * cos.clone() + rotated * sin.clone()
 }
