@@ -1,13 +1,14 @@
 //! The CPU implementation on Flex: each slot's rows go through two `gemm` calls straight on the
 //! tensors' memory, and the expand accumulates into the output in place.
 //!
-//! Rows of one slot that sit next to each other (an image's patches) form a run: shrink reads
-//! the run from `x` where it lies and expand adds into the run's rows of the output, so the op
-//! costs its arithmetic and one pass over the output columns it touches. The runs of a call go
-//! to the rayon threads side by side, a run per core, as its thin rank-`r` products gain less
-//! from `gemm`'s own splitting (1.2–2.1× faster on 2 cores: BENCHMARKS.md). Rows in runs
-//! shorter than [`MIN_RUN`] (rows of many requests interleaved) are gathered per slot first,
-//! so a scattered mix costs a few larger calls instead of one tiny call per row.
+//! Rows of one slot that sit next to each other (an image's patches) form a run: shrink reads the
+//! run from `x` where it lies and expand adds into the run's rows of the output, so the op costs
+//! its arithmetic and one pass over the output columns it touches. The runs of a call, cut into
+//! pieces of an even share of the rows, go to the rayon threads side by side, a piece per core, as
+//! the thin rank-`r` products gain less from `gemm`'s own splitting (the op 1.2–2.1× faster on 2
+//! cores: BENCHMARKS.md). Rows in runs shorter than [`MIN_RUN`] (rows of many requests
+//! interleaved) are gathered per slot first, so a scattered mix costs a few larger calls instead
+//! of one tiny call per row.
 //!
 //! `f16` tensors are widened to `f32` for the op and the result rounded back once.
 
@@ -121,40 +122,40 @@ struct Layer<'a> {
 
 impl Layer<'_> {
     /// Each `(slot, rows)` run's delta added to its rows of `y` (`[rows, out_total]`) in place,
-    /// the runs side by side on the threads. A run's `gemm` calls are too thin for `gemm` to
-    /// split well (a rank-16 shrink is a 16-column product), so with a run per thread or more
-    /// each run takes one core; with fewer, `gemm` splits each call as well.
+    /// side by side on the threads, one core per piece: a run's `gemm` calls are too thin for
+    /// `gemm` to split well (a rank-16 shrink is a 16-column product), so the runs are cut into
+    /// pieces of at most an even share of the rows each (and at least [`MIN_RUN`]).
     fn apply_runs(&self, mut runs: Vec<(usize, Range<usize>)>, y: &mut [f32]) {
         runs.sort_unstable_by_key(|(_, rows)| rows.start);
-        let mut jobs = Vec::with_capacity(runs.len());
+        let total: usize = runs.iter().map(|(_, rows)| rows.len()).sum();
+        let piece = total.div_ceil(rayon::current_num_threads()).max(MIN_RUN);
+        let mut jobs = Vec::new();
         let (mut rest, mut rest_start) = (y, 0);
-        for (slot, rows) in runs {
-            let tail = std::mem::take(&mut rest);
-            let (_, tail) = tail.split_at_mut((rows.start - rest_start) * self.out_total);
-            let (y_run, tail) = tail.split_at_mut(rows.len() * self.out_total);
-            (rest, rest_start) = (tail, rows.end);
-            jobs.push((slot, rows, y_run));
+        for (slot, run) in runs {
+            for start in run.clone().step_by(piece) {
+                let rows = start..(start + piece).min(run.end);
+                let tail = std::mem::take(&mut rest);
+                let (_, tail) = tail.split_at_mut((rows.start - rest_start) * self.out_total);
+                let (y_rows, tail) = tail.split_at_mut(rows.len() * self.out_total);
+                (rest, rest_start) = (tail, rows.end);
+                jobs.push((slot, rows, y_rows));
+            }
         }
-        let threads = if jobs.len() >= rayon::current_num_threads() {
-            Threads::One
-        } else {
-            Threads::Gemm
-        };
         jobs.into_par_iter()
-            .for_each(|(slot, rows, y_run)| self.apply_run(slot, rows, y_run, threads));
+            .for_each(|(slot, rows, y_rows)| self.apply_run(slot, rows, y_rows));
     }
 
-    /// `rows` (consecutive), in place in `y_run`, their rows of `y`.
-    fn apply_run(&self, slot: usize, rows: Range<usize>, y_run: &mut [f32], threads: Threads) {
+    /// `rows` (consecutive) on one core, in place in `y_rows`, their rows of `y`.
+    fn apply_run(&self, slot: usize, rows: Range<usize>, y_rows: &mut [f32]) {
         let x = &self.x[rows.start * self.in_features..rows.end * self.in_features];
-        let shrunk = self.shrink(slot, x, rows.len(), threads);
+        let shrunk = self.shrink(slot, x, rows.len(), Threads::One);
         self.expand(
             slot,
             &shrunk,
             rows.len(),
-            &mut y_run[self.out_offset..],
+            &mut y_rows[self.out_offset..],
             self.out_total,
-            threads,
+            Threads::One,
         );
     }
 
