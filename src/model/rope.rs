@@ -179,15 +179,8 @@ mod tests {
             .into_data()
             .try_to_vec::<f32>()
             .unwrap();
-        // Exact in f32: every product and sum is a small dyadic rational.
-        assert_eq!(
-            y,
-            [
-                1.0 * 0.5 - 3.0 * 1.0,
-                2.0 * 0.25 - 4.0 * -1.0,
-                3.0 * 2.0 + 1.0 * 0.5,
-                4.0 * 4.0 + 2.0 * 0.125
-            ]
-        );
+        // Exact in f32: every product and sum is a small dyadic rational. Halves (1, 2) and
+        // (3, 4): 1·0.5 − 3·1, 2·0.25 − 4·(−1), 3·2 + 1·0.5, 4·4 + 2·0.125.
+        assert_eq!(y, [-2.5, 4.5, 6.5, 16.25]);
     }
 }

@@ -124,7 +124,7 @@ impl Layer<'_> {
     /// Each `(slot, rows)` run's delta added to its rows of `y` (`[rows, out_total]`) in place,
     /// side by side on the threads, one core per piece: a run's `gemm` calls are too thin for
     /// `gemm` to split well (a rank-16 shrink is a 16-column product), so the runs are cut into
-    /// pieces of at most an even share of the rows each (and at least [`MIN_RUN`]).
+    /// pieces of at most an even share of all their rows (a share of at least [`MIN_RUN`]).
     fn apply_runs(&self, mut runs: Vec<(usize, Range<usize>)>, y: &mut [f32]) {
         runs.sort_unstable_by_key(|(_, rows)| rows.start);
         let total: usize = runs.iter().map(|(_, rows)| rows.len()).sum();
