@@ -14,7 +14,7 @@ use burn::tensor::{DType, Tensor};
 use rayon::prelude::*;
 use wide::f32x8;
 
-use crate::lora::ops::native::dense;
+use crate::lora::ops::native::{dense, values_mut};
 
 /// QuickGELU's slope: `x · sigmoid(1.702 · x)` approximates GELU.
 pub const QUICK_GELU_SLOPE: f32 = 1.702;
@@ -54,8 +54,7 @@ impl ActivationBackend for Flex {
             return composed::<Self>(x);
         }
         let mut y = dense(x);
-        let len = y.layout().num_elements();
-        y.storage_mut::<f32>()[..len]
+        values_mut(&mut y)
             .par_chunks_mut(CHUNK)
             .for_each(quick_gelu_in_place);
         y

@@ -16,7 +16,7 @@ use burn::backend::{
 use burn::tensor::{DType, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::lora::ops::native::dense;
+use crate::lora::ops::native::{dense, values, values_mut};
 
 /// Rows per rayon task: tens of KiB of the 2B tower's `q`, enough to hide the task's overhead.
 const ROWS_PER_TASK: usize = 16;
@@ -86,10 +86,10 @@ impl RopeBackend for Flex {
             "cos and sin hold one head's angles per row"
         );
         let (cos, sin) = (dense(cos), dense(sin));
-        let (cos, sin) = (f32_values(&cos), f32_values(&sin));
+        let (cos, sin) = (values(&cos), values(&sin));
         let mut y = dense(x);
         let row = heads * head_dim;
-        y.storage_mut::<f32>()[..rows * row]
+        values_mut(&mut y)
             .par_chunks_mut(ROWS_PER_TASK * row)
             .zip(cos.par_chunks(ROWS_PER_TASK * head_dim))
             .zip(sin.par_chunks(ROWS_PER_TASK * head_dim))
@@ -118,10 +118,6 @@ fn rotate_head(head: &mut [f32], cos: &[f32], sin: &[f32]) {
         first[j] = a * cos_first[j] + -b * sin_first[j];
         second[j] = b * cos_second[j] + a * sin_second[j];
     }
-}
-
-fn f32_values(tensor: &burn_flex::FlexTensor) -> &[f32] {
-    tensor.as_slice().expect("a dense f32 tensor")
 }
 
 #[cfg(test)]

@@ -321,13 +321,13 @@ fn dims<const D: usize>(tensor: &FlexTensor) -> [usize; D] {
     tensor.layout().shape().dims::<D>()
 }
 
-fn values(tensor: &FlexTensor) -> &[f32] {
-    tensor
-        .as_slice()
-        .expect("a dense f32 tensor (checked by lora_apply)")
+/// The values of a dense f32 tensor (as [`dense`] makes it; the callers check the dtype).
+pub(crate) fn values(tensor: &FlexTensor) -> &[f32] {
+    tensor.as_slice().expect("a dense f32 tensor")
 }
 
-fn values_mut(tensor: &mut FlexTensor) -> &mut [f32] {
+/// The values of a dense f32 tensor, to write in place.
+pub(crate) fn values_mut(tensor: &mut FlexTensor) -> &mut [f32] {
     let len = tensor.layout().num_elements();
     &mut tensor.storage_mut::<f32>()[..len]
 }
