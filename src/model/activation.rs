@@ -4,17 +4,18 @@
 //! Composed from Burn's ops it is three passes over the MLP's widest activation, and on Flex (the
 //! CPU backend) each of them runs on one core with a scalar `exp`: about 60 ms per block at 2048
 //! rows on 2 cores, a tenth of the block. Flex here makes one in-place pass split over the rayon
-//! threads, eight lanes at a time (`wide`'s `exp`). The GPU backends keep the composed form
+//! threads, in SIMD lanes ([`exp`]). The GPU backends keep the composed form
 //! ([`composed`]), which Burn's fusion compiles into one kernel with its neighbours.
 
 use burn::backend::{
     Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor, wgpu::CubeBackend,
 };
 use burn::tensor::{DType, Tensor};
+use multiversion::multiversion;
 use rayon::prelude::*;
-use wide::f32x8;
 
 use crate::lora::ops::native::{dense, values_mut};
+use crate::model::exp::exp;
 
 /// QuickGELU's slope: `x · sigmoid(1.702 · x)` approximates GELU.
 pub const QUICK_GELU_SLOPE: f32 = 1.702;
@@ -61,18 +62,13 @@ impl ActivationBackend for Flex {
     }
 }
 
-/// QuickGELU over `values`, eight at a time, as `x / (1 + exp(−1.702 · x))`: the quotient keeps
-/// the limits exact (`exp` overflowing to ∞ gives −0 for large negative `x`; `x` itself for
-/// large positive), and NaN stays NaN.
+/// QuickGELU over `values` as `x / (1 + exp(−1.702 · x))`, in SIMD lanes ([`exp`]): the quotient
+/// keeps the limits exact (`exp` overflowing to ∞ gives −0 for large negative `x`; `x` itself
+/// for large positive), and NaN stays NaN.
+#[multiversion(targets = "simd")]
 fn quick_gelu_in_place(values: &mut [f32]) {
-    let (lanes, rest) = values.as_chunks_mut::<8>();
-    for lane in lanes {
-        let x = f32x8::from(*lane);
-        let y = x / (f32x8::ONE + (x * f32x8::splat(-QUICK_GELU_SLOPE)).exp());
-        *lane = y.to_array();
-    }
-    for x in rest {
-        *x /= 1.0 + (-QUICK_GELU_SLOPE * *x).exp();
+    for x in values {
+        *x /= 1.0 + exp(-QUICK_GELU_SLOPE * *x);
     }
 }
 

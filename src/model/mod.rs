@@ -2,6 +2,8 @@
 
 pub mod activation;
 pub mod checkpoint;
+pub mod exp;
 pub mod gemm;
 pub mod qwen2_vl;
 pub mod rope;
+pub mod sdpa;

@@ -6,8 +6,9 @@
 //! limit; a segment whose scores alone do not fit goes in blocks of queries that do. Each
 //! query's softmax is over its own row, so every split gives the same numbers.
 
-use burn::tensor::activation::softmax;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::Tensor;
+
+use crate::model::sdpa;
 
 /// A share of the attention one launch sequence computes: `segments` neighbouring segments of
 /// `len` rows from row `at`, and of each the queries `first_query .. first_query + queries`
@@ -77,7 +78,6 @@ pub(super) fn attend(
     scale: f64,
 ) -> Tensor<2> {
     let [_, heads, head_dim] = q.dims();
-    let dtype = q.dtype();
     let Piece {
         at,
         segments,
@@ -85,22 +85,15 @@ pub(super) fn attend(
         first_query,
         queries,
     } = piece;
-    // [segments, heads, rows of each, head_dim]; the queries are contiguous rows, as a piece
+    // [segments, rows of each, heads, head_dim]; the queries are contiguous rows, as a piece
     // of several segments takes all of each.
     let split = |t: &Tensor<3>, from: usize, rows: usize| {
         t.clone()
             .slice(from..from + segments * rows)
             .reshape([segments, rows, heads, head_dim])
-            .swap_dims(1, 2)
     };
     let q = split(q, at + first_query, queries);
-    let k_t = split(k, at, len).swap_dims(2, 3);
-    let v = split(v, at, len);
-    let scores = q.matmul(k_t).cast(DType::F32) * scale;
-    let weights = softmax(scores, 3).cast(dtype);
-    weights
-        .matmul(v)
-        .swap_dims(1, 2)
+    sdpa::attend(q, split(k, at, len), split(v, at, len), scale)
         .reshape([segments * queries, heads * head_dim])
 }
 
