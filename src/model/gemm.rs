@@ -1,7 +1,8 @@
 //! The linear layers' base product, `x · Wᵀ + b`, as a backend extension.
 //!
-//! [`linear`] computes it with Burn's matmul and add ([`composed`]), or with one of our two WGSL
-//! kernels ([`LinearShader`]), as [`LinearKernel`] says:
+//! [`linear`] computes it with the backend's own products ([`LinearBackend::linear_native`]: on
+//! the GPU Burn's matmul and add, [`composed`]), or with one of our two WGSL kernels
+//! ([`LinearShader`]), as [`LinearKernel`] says:
 //! - `shaders/linear.wgsl` is built for lavapipe (llvmpipe), where every load from a storage
 //!   buffer is a loop over the SIMD lanes and Burn's matmul reaches about 6 GMAC/s. Each thread
 //!   keeps [`ROWS`] rows × [`COLUMNS`] `vec4` columns of sums in registers, so a weight load
@@ -11,19 +12,24 @@
 //!   workgroup memory, 8 × 8 sums per thread, the next slice's loads in flight during this
 //!   slice's products. It has not yet been timed on one (`tools/h200/run.sh` does).
 //!
-//! On Flex the extension is always Burn's matmul and add.
+//! On Flex (the CPU backend) the product with a bias is one `gemm` call that adds onto rows of
+//! the bias, whichever kernel is asked for.
 
 use burn::backend::TensorMetadata;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::wgpu::{CubeBackend, KernelSource, SourceTemplate};
 use burn::backend::{Backend, Dispatch, Flex, backend_extension};
-use burn::tensor::{Shape, Tensor};
+use burn::tensor::{DType, Shape, Tensor, TensorData};
 use burn_cubecl::cubecl::ir::attributes::BufferIOAttr;
 use burn_cubecl::cubecl::prelude::KernelId;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_flex::FlexTensor;
+use gemm::Parallelism;
+use rayon::prelude::*;
 
 use crate::device::RuntimeDevice;
+use crate::lora::ops::native::{PARALLEL_MACS, dense, element, strided, values};
 use crate::wgsl::{self, Elem};
 
 /// Invocations per workgroup of `linear.wgsl` (`{{ workgroup }}`). 32 makes a workgroup's
@@ -83,13 +89,25 @@ pub enum LinearShader {
 pub trait LinearBackend: Backend {
     /// `x · weight_t + bias` for `x`: `[rows, in]`, `weight_t`: `[in, out]`, `bias`: `[out]`,
     /// all of one dtype, every width a multiple of 4 and `in` not 0: computed by `shader` on
-    /// the wgpu backend, by Burn's matmul and add elsewhere.
+    /// the wgpu backend, by [`LinearBackend::linear_native`] elsewhere.
     #[fusion(dtype = x, shape = Shape::from([x[0], weight_t[1]]))]
     fn linear_wgsl(
         x: FloatTensor<Self>,
         weight_t: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         _shader: LinearShader,
+    ) -> FloatTensor<Self> {
+        Self::linear_native(x, weight_t, bias)
+    }
+
+    /// `x · weight_t + bias` (shapes as in [`LinearBackend::linear_wgsl`], any widths) with the
+    /// backend's own products: Burn's matmul and add, or on Flex one `gemm` call that adds the
+    /// product onto rows of the bias.
+    #[fusion(default)]
+    fn linear_native(
+        x: FloatTensor<Self>,
+        weight_t: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         composed::<Self>(x, weight_t, bias)
     }
@@ -180,7 +198,11 @@ pub fn linear(
                 shader,
             ))
         }
-        (Some(bias), _) => x.matmul(weight_t.clone()) + bias.clone().unsqueeze(),
+        (Some(bias), _) => Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_native(
+            x.into_dispatch(),
+            weight_t.clone().into_dispatch(),
+            bias.clone().into_dispatch(),
+        )),
         (None, _) => x.matmul(weight_t.clone()),
     }
 }
@@ -219,7 +241,79 @@ impl LinearShader {
     }
 }
 
-impl LinearBackend for Flex {}
+impl LinearBackend for Flex {
+    /// f32: the output starts as rows of `bias` and `gemm` adds `x · weight_t` to it as it
+    /// stores its blocks, which saves the separate add's pass over the output (4–7 % of the
+    /// 2B tower's widest linears: BENCHMARKS.md); other dtypes composed.
+    fn linear_native(
+        x: FloatTensor<Self>,
+        weight_t: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        if [x.dtype(), weight_t.dtype(), bias.dtype()] != [DType::F32; 3] {
+            return composed::<Self>(x, weight_t, bias);
+        }
+        let (x, weight_t, bias) = (strided(x), strided(weight_t), dense(bias));
+        let [rows, inner] = x.layout().shape().dims::<2>();
+        let [_, out] = weight_t.layout().shape().dims::<2>();
+        assert_eq!(
+            weight_t.layout().shape().dims::<2>(),
+            [inner, out],
+            "x and weight_t share their inner width"
+        );
+        let bias = values(&bias);
+        assert_eq!(bias.len(), out, "one bias per output column");
+        let mut y = vec![0.0f32; rows * out];
+        if !y.is_empty() {
+            y.par_chunks_mut(out * BIAS_ROWS_PER_TASK).for_each(|rows| {
+                for row in rows.chunks_exact_mut(out) {
+                    row.copy_from_slice(bias);
+                }
+            });
+            let [x_rows, x_cols] = strides(&x);
+            let [w_rows, w_cols] = strides(&weight_t);
+            let parallelism = if rows * out * inner >= PARALLEL_MACS {
+                Parallelism::Rayon(0)
+            } else {
+                Parallelism::None
+            };
+            // SAFETY: `y` is `rows × out`, row stride `out`; `strided` checked that `x`
+            // (`rows × inner`) and `weight_t` (`inner × out`) address only their storage.
+            unsafe {
+                gemm::gemm(
+                    rows,
+                    out,
+                    inner,
+                    y.as_mut_ptr(),
+                    1,
+                    out as isize,
+                    true,
+                    element(&x, &[0, 0]),
+                    x_cols,
+                    x_rows,
+                    element(&weight_t, &[0, 0]),
+                    w_cols,
+                    w_rows,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    parallelism,
+                );
+            }
+        }
+        FlexTensor::from_data(TensorData::new(y, [rows, out]))
+    }
+}
+
+/// Rows of bias each rayon task copies into a Flex linear's output.
+const BIAS_ROWS_PER_TASK: usize = 16;
+
+/// A 2-D Flex tensor's row and column strides.
+fn strides(tensor: &FlexTensor) -> [isize; 2] {
+    tensor.layout().strides().try_into().expect("a 2-D layout")
+}
 
 impl LinearBackend for CubeBackend {
     fn materialize(x: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -521,6 +615,72 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Flex's linear (a `gemm` call onto rows of the bias) against float64: widths that are
+    /// not multiples of anything, calls on either side of the threading threshold, the shapes
+    /// of Qwen2-VL-2B's linears, and `Wᵀ` as the transposed view the layers keep.
+    #[test]
+    fn flex_matches_float64() {
+        let cpu = device::cpu();
+        for (rows, in_features, out_features) in [
+            (1, 1, 1),
+            (3, 7, 13),
+            (37, 129, 67),
+            (300, 200, 200),
+            (37, 1280, 3840),
+            (37, 5120, 1280),
+        ] {
+            check(
+                &cpu,
+                LinearKernel::Burn,
+                rows,
+                in_features,
+                out_features,
+                DType::F32,
+            );
+        }
+    }
+
+    /// Flex's linear on a strided `x` (a transpose), with no rows, and with no inner width
+    /// (the bias alone).
+    #[test]
+    fn flex_strided_and_empty() {
+        let d = device::cpu().device;
+        let tensor = |values: Vec<f32>, shape: [usize; 2]| {
+            Tensor::<2>::from_data(TensorData::new(values, shape), &d)
+        };
+        let x_t = tensor(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [2, 3]);
+        let weight_t = tensor(vec![1.0, 0.5, -1.0, 2.0], [2, 2]);
+        let bias = Tensor::<1>::from_data([0.25f32, -0.25], &d);
+        let y = linear(x_t.transpose(), &weight_t, Some(&bias), LinearKernel::Burn);
+        // x = [[1, 4], [2, 5], [3, 6]]; exact: small integers, halves and quarters.
+        let expected = [
+            1.0 - 4.0 + 0.25,
+            0.5 + 8.0 - 0.25,
+            2.0 - 5.0 + 0.25,
+            1.0 + 10.0 - 0.25,
+            3.0 - 6.0 + 0.25,
+            1.5 + 12.0 - 0.25,
+        ];
+        assert_eq!(y.into_data().try_to_vec::<f32>().unwrap(), expected);
+        let no_rows = linear(
+            tensor(vec![], [0, 2]),
+            &weight_t,
+            Some(&bias),
+            LinearKernel::Burn,
+        );
+        assert_eq!(no_rows.dims(), [0, 2]);
+        let no_inner = linear(
+            tensor(vec![], [3, 0]),
+            &tensor(vec![], [0, 2]),
+            Some(&bias),
+            LinearKernel::Burn,
+        );
+        assert_eq!(
+            no_inner.into_data().try_to_vec::<f32>().unwrap(),
+            [0.25, -0.25, 0.25, -0.25, 0.25, -0.25]
+        );
     }
 
     /// More row blocks than one dispatch may have: the rows past the first launch come out of

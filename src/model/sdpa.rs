@@ -19,6 +19,7 @@ use gemm::Parallelism;
 use multiversion::multiversion;
 use rayon::prelude::*;
 
+use crate::lora::ops::native::{element, strided};
 use crate::model::exp::exp;
 
 /// Queries per rayon task on Flex: a whole 256-patch image of the 2B tower (its scores 256 KiB
@@ -133,7 +134,7 @@ impl SdpaBackend for Flex {
     }
 }
 
-/// A 4-D f32 tensor's storage read through its strides (each ≥ 0), checked to lie within it.
+/// A 4-D f32 tensor read through its strides ([`strided`]).
 struct View {
     tensor: FlexTensor,
     dims: [usize; 4],
@@ -141,25 +142,10 @@ struct View {
 }
 
 impl View {
-    /// `tensor` as it lies where its strides allow; a dense copy where a stride is negative.
     fn of(tensor: FlexTensor) -> Self {
-        let tensor = if tensor.layout().has_positive_strides() {
-            tensor
-        } else {
-            tensor.to_contiguous()
-        };
-        let layout = tensor.layout();
-        let dims = layout.shape().dims::<4>();
-        let strides: [isize; 4] = layout.strides().try_into().expect("a 4-D layout");
-        let last = dims
-            .iter()
-            .zip(strides)
-            .map(|(&d, s)| d.saturating_sub(1) * s as usize)
-            .sum::<usize>();
-        assert!(
-            dims.contains(&0) || layout.start_offset() + last < tensor.storage::<f32>().len(),
-            "a Flex layout addresses only its storage"
-        );
+        let tensor = strided(tensor);
+        let dims = tensor.layout().shape().dims::<4>();
+        let strides = tensor.layout().strides().try_into().expect("a 4-D layout");
         Self {
             tensor,
             dims,
@@ -169,12 +155,7 @@ impl View {
 
     /// Where element `[segment, row, head, 0]` lies.
     fn at(&self, segment: usize, row: usize, head: usize) -> *const f32 {
-        let [s, r, h, _] = self.strides;
-        let offset = self.tensor.layout().start_offset()
-            + segment * s as usize
-            + row * r as usize
-            + head * h as usize;
-        self.tensor.storage::<f32>()[offset..].as_ptr()
+        element(&self.tensor, &[segment, row, head, 0])
     }
 }
 
@@ -230,7 +211,7 @@ impl Task {
         let (q_rows, q_cols) = (q.strides[1], q.strides[3]);
         let (k_rows, k_cols) = (k.strides[1], k.strides[3]);
         let (v_rows, v_cols) = (v.strides[1], v.strides[3]);
-        // SAFETY: `View::of` checked that every element of q, k and v lies in its storage, and
+        // SAFETY: `strided` checked that every element of q, k and v lies in its storage, and
         // these read rows `first .. first + rows` of q and all `len` rows of k and v of one
         // segment and head; `scores` is `rows × len`, row stride `len`.
         unsafe {

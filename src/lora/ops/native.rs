@@ -28,7 +28,7 @@ use super::{LoraBackend, LoraPlan};
 pub const MIN_RUN: usize = 16;
 
 /// Multiply-adds from which a `gemm` call is split over threads (Flex's own threshold).
-const PARALLEL_MACS: usize = 192 * 192 * 192;
+pub(crate) const PARALLEL_MACS: usize = 192 * 192 * 192;
 
 impl LoraBackend for Flex {
     /// Reads the rows of each slot from the host-side metadata in `plan`, so the uploaded
@@ -308,6 +308,40 @@ pub(crate) fn dense(tensor: FlexTensor) -> FlexTensor {
     } else {
         tensor.to_contiguous()
     }
+}
+
+/// An f32 `tensor` as it lies where its strides are all ≥ 0 (a dense copy otherwise), checked to
+/// address only its storage: what `gemm` calls reading it through its strides rely on.
+pub(crate) fn strided(tensor: FlexTensor) -> FlexTensor {
+    let tensor = if tensor.layout().has_positive_strides() {
+        tensor
+    } else {
+        tensor.to_contiguous()
+    };
+    let layout = tensor.layout();
+    let last: usize = layout
+        .shape()
+        .iter()
+        .zip(layout.strides())
+        .map(|(&dim, &stride)| dim.saturating_sub(1) * stride as usize)
+        .sum();
+    assert!(
+        layout.num_elements() == 0 || layout.start_offset() + last < tensor.storage::<f32>().len(),
+        "a Flex layout addresses only its storage"
+    );
+    tensor
+}
+
+/// Where element `index` of a [`strided`] tensor lies.
+pub(crate) fn element(tensor: &FlexTensor, index: &[usize]) -> *const f32 {
+    let layout = tensor.layout();
+    let offset = layout.start_offset()
+        + index
+            .iter()
+            .zip(layout.strides())
+            .map(|(&i, &stride)| i * stride as usize)
+            .sum::<usize>();
+    tensor.storage::<f32>()[offset..].as_ptr()
 }
 
 fn cast<const D: usize>(tensor: FlexTensor, dtype: DType) -> FlexTensor {
