@@ -263,13 +263,21 @@ impl LinearBackend for Flex {
         );
         let bias = values(&bias);
         assert_eq!(bias.len(), out, "one bias per output column");
-        let mut y = vec![0.0f32; rows * out];
-        if !y.is_empty() {
-            y.par_chunks_mut(out * BIAS_ROWS_PER_TASK).for_each(|rows| {
-                for row in rows.chunks_exact_mut(out) {
-                    row.copy_from_slice(bias);
-                }
-            });
+        let mut y = Vec::with_capacity(rows * out);
+        if rows * out > 0 {
+            // Each row written once, with the bias: no zeroing pass first.
+            let spare = &mut y.spare_capacity_mut()[..rows * out];
+            spare
+                .par_chunks_mut(out * BIAS_ROWS_PER_TASK)
+                .for_each(|rows| {
+                    for row in rows.chunks_exact_mut(out) {
+                        row.write_copy_of_slice(bias);
+                    }
+                });
+            // SAFETY: the loop above wrote every one of the `rows × out` values.
+            unsafe { y.set_len(rows * out) };
+        }
+        if !y.is_empty() && inner > 0 {
             let [x_rows, x_cols] = strides(&x);
             let [w_rows, w_cols] = strides(&weight_t);
             let parallelism = if rows * out * inner >= PARALLEL_MACS {

@@ -93,40 +93,43 @@ impl SdpaBackend for Flex {
             k.dims,
             v.dims
         );
-        let mut output = vec![0.0f32; segments * queries * heads * head_dim];
-        // With no keys every output is an empty sum: zero.
-        if len > 0 && !output.is_empty() {
-            let out = OutputRows {
-                start: output.as_mut_ptr(),
-                row_stride: heads * head_dim,
-            };
-            let blocks = queries.div_ceil(QUERY_BLOCK);
-            (0..segments * heads * blocks)
-                .into_par_iter()
-                .for_each_init(
-                    || vec![0.0f32; QUERY_BLOCK * len],
-                    |scores, task| {
-                        let (segment, rest) = (task / (heads * blocks), task % (heads * blocks));
-                        let (head, block) = (rest / blocks, rest % blocks);
-                        let first = block * QUERY_BLOCK;
-                        let rows = QUERY_BLOCK.min(queries - first);
-                        let task = Task {
-                            segment,
-                            head,
-                            first,
-                            out_row: segment * queries + first,
-                            rows,
-                            len,
-                            head_dim,
-                        };
-                        // SAFETY: tasks differ in (segment, head, block), so each writes its own
-                        // rows × head_dim block of `output`, which outlives the parallel loop.
-                        unsafe {
-                            task.run(&q, &k, &v, scale as f32, &mut scores[..rows * len], out)
-                        };
-                    },
-                );
+        let size = segments * queries * heads * head_dim;
+        if len == 0 || size == 0 {
+            // With no keys every output is an empty sum: zero.
+            return FlexTensor::zeros([segments, queries, heads, head_dim].into(), DType::F32);
         }
+        let mut output: Vec<f32> = Vec::with_capacity(size);
+        let out = OutputRows {
+            start: output.as_mut_ptr(),
+            row_stride: heads * head_dim,
+        };
+        let blocks = queries.div_ceil(QUERY_BLOCK);
+        (0..segments * heads * blocks)
+            .into_par_iter()
+            .for_each_init(
+                || vec![0.0f32; QUERY_BLOCK * len],
+                |scores, task| {
+                    let (segment, rest) = (task / (heads * blocks), task % (heads * blocks));
+                    let (head, block) = (rest / blocks, rest % blocks);
+                    let first = block * QUERY_BLOCK;
+                    let rows = QUERY_BLOCK.min(queries - first);
+                    let task = Task {
+                        segment,
+                        head,
+                        first,
+                        out_row: segment * queries + first,
+                        rows,
+                        len,
+                        head_dim,
+                    };
+                    // SAFETY: tasks differ in (segment, head, block), so each writes its own
+                    // rows × head_dim block of `output`, which outlives the parallel loop.
+                    unsafe { task.run(&q, &k, &v, scale as f32, &mut scores[..rows * len], out) };
+                },
+            );
+        // SAFETY: the tasks cover every (segment, head, query block), and each one's second
+        // `gemm` call wrote all of its block's values.
+        unsafe { output.set_len(size) };
         FlexTensor::from_data(TensorData::new(
             output,
             [segments, queries, heads, head_dim],
@@ -452,5 +455,17 @@ mod tests {
             1.0,
         );
         assert_eq!(y.into_data().try_to_vec::<f32>().unwrap(), [7.0, 8.0]);
+    }
+
+    /// No keys: every output an empty sum, zero; no queries: no output.
+    #[test]
+    fn no_keys_or_no_queries() {
+        let cpu = device::cpu();
+        let zeros = |rows: usize| Tensor::<4>::zeros([2, rows, 3, 4], &cpu.device);
+        let ones = |rows: usize| Tensor::<4>::ones([2, rows, 3, 4], &cpu.device);
+        let y = attend(ones(5), zeros(0), zeros(0), 1.0);
+        assert_eq!(y.dims(), [2, 5, 3, 4]);
+        assert_eq!(y.into_data().try_to_vec::<f32>().unwrap(), vec![0.0; 120]);
+        assert_eq!(attend(ones(0), ones(5), ones(5), 1.0).dims(), [2, 0, 3, 4]);
     }
 }
