@@ -325,7 +325,7 @@ mod tests {
         let epsilon = f64::from(f32::EPSILON);
         let at =
             |rows: usize, s: usize, r: usize, h: usize| ((s * rows + r) * heads + h) * head_dim;
-        for (s, i, h) in itertools_product(segments, queries, heads) {
+        for (s, i, h) in every_segment_query_head(segments, queries, heads) {
             let qi = &q[at(queries, s, i, h)..][..head_dim];
             let key = |j: usize| &k[at(len, s, j, h)..][..head_dim];
             let scores: Vec<f64> = (0..len)
@@ -370,12 +370,14 @@ mod tests {
         }
     }
 
-    fn itertools_product(
-        a: usize,
-        b: usize,
-        c: usize,
+    /// Every `(segment, query, head)` index, in order.
+    fn every_segment_query_head(
+        segments: usize,
+        queries: usize,
+        heads: usize,
     ) -> impl Iterator<Item = (usize, usize, usize)> {
-        (0..a).flat_map(move |i| (0..b).flat_map(move |j| (0..c).map(move |k| (i, j, k))))
+        (0..segments)
+            .flat_map(move |s| (0..queries).flat_map(move |q| (0..heads).map(move |h| (s, q, h))))
     }
 
     /// Segments of `len` rows sliced from a packed `[rows, 3, heads, head_dim]` qkv, as the
