@@ -25,11 +25,10 @@ use burn_cubecl::cubecl::prelude::KernelId;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_flex::FlexTensor;
-use gemm::Parallelism;
 use rayon::prelude::*;
 
 use crate::device::RuntimeDevice;
-use crate::lora::ops::native::{PARALLEL_MACS, dense, element, strided, values};
+use crate::lora::ops::native::{dense, element, gemm_parallelism, strided, values};
 use crate::wgsl::{self, Elem};
 
 /// Invocations per workgroup of `linear.wgsl` (`{{ workgroup }}`). 32 makes a workgroup's
@@ -280,11 +279,6 @@ impl LinearBackend for Flex {
         if !y.is_empty() && inner > 0 {
             let [x_rows, x_cols] = strides(&x);
             let [w_rows, w_cols] = strides(&weight_t);
-            let parallelism = if rows * out * inner >= PARALLEL_MACS {
-                Parallelism::Rayon(0)
-            } else {
-                Parallelism::None
-            };
             // SAFETY: `y` is `rows × out`, row stride `out`; `strided` checked that `x`
             // (`rows × inner`) and `weight_t` (`inner × out`) address only their storage.
             unsafe {
@@ -307,7 +301,7 @@ impl LinearBackend for Flex {
                     false,
                     false,
                     false,
-                    parallelism,
+                    gemm_parallelism(rows, out, inner),
                 );
             }
         }

@@ -28,7 +28,7 @@ use super::{LoraBackend, LoraPlan};
 pub const MIN_RUN: usize = 16;
 
 /// Multiply-adds from which a `gemm` call is split over threads (Flex's own threshold).
-pub(crate) const PARALLEL_MACS: usize = 192 * 192 * 192;
+const PARALLEL_MACS: usize = 192 * 192 * 192;
 
 impl LoraBackend for Flex {
     /// Reads the rows of each slot from the host-side metadata in `plan`, so the uploaded
@@ -292,11 +292,19 @@ impl Threads {
     /// The `gemm` parallelism of an `m × n × k` call.
     fn parallelism(self, m: usize, n: usize, k: usize) -> Parallelism {
         match self {
-            Threads::Gemm if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_MACS => {
-                Parallelism::Rayon(0)
-            }
-            _ => Parallelism::None,
+            Threads::Gemm => gemm_parallelism(m, n, k),
+            Threads::One => Parallelism::None,
         }
+    }
+}
+
+/// How a `gemm` call of `m × n × k` that may use every thread should be split: over the rayon
+/// threads from [`PARALLEL_MACS`] multiply-adds, not at all below.
+pub(crate) fn gemm_parallelism(m: usize, n: usize, k: usize) -> Parallelism {
+    if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_MACS {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
     }
 }
 
