@@ -142,14 +142,19 @@ pub fn gpu_new() -> Result<RuntimeDevice, DeviceError> {
     let (device, queue) = pollster::block_on(
         adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("mmlora"),
-            // As Burn asks for its own device: everything the adapter offers.
+            // As Burn asks for its own device: everything the adapter offers, the experimental
+            // features included (cooperative matrices, which `linear_coop.wgsl` uses, are one).
+            // wgpu refuses a request for those unless they are enabled, and hardware drivers
+            // (NVIDIA's) offer some, so the rebuilt device must enable them as Burn's does.
             required_features: adapter
                 .features()
                 .difference(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS),
             required_limits: adapter.limits(),
             memory_hints: wgpu::MemoryHints::MemoryUsage,
             trace: wgpu::Trace::Off,
-            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            // SAFETY: the opt-in Burn's own device request makes (cubecl-wgpu's
+            // `try_request_device`), so the rebuilt device runs what the first one ran.
+            experimental_features: unsafe { wgpu::ExperimentalFeatures::enabled() },
         }),
     )
     .map_err(|e| DeviceError::NoAdapter(e.to_string()))?;
