@@ -109,16 +109,9 @@ pub(crate) fn launch<K: KernelSource + 'static>(
 /// with `what` and naga's message on the first failure.
 #[cfg(test)]
 pub(crate) fn validate_and_translate(source: &str, what: &str) {
-    use naga::back::{hlsl, msl, spv};
-    use naga::valid::{Capabilities, ValidationFlags, Validator};
+    use naga::back::{hlsl, msl};
 
-    let module = naga::front::wgsl::parse_str(source)
-        .unwrap_or_else(|e| panic!("{what}: {}", e.emit_to_string(source)));
-    let info = Validator::new(ValidationFlags::all(), Capabilities::all())
-        .validate(&module)
-        .unwrap_or_else(|e| panic!("{what}: {e:?}"));
-    spv::write_vec(&module, &info, &spv::Options::default(), None)
-        .unwrap_or_else(|e| panic!("{what} to SPIR-V: {e}"));
+    let (module, info) = validate_and_translate_to_spirv(source, what);
     let mut msl_out = String::new();
     msl::Writer::new(&mut msl_out)
         .write(
@@ -136,6 +129,26 @@ pub(crate) fn validate_and_translate(source: &str, what: &str) {
     )
     .write(&module, &info, None)
     .unwrap_or_else(|e| panic!("{what} to HLSL: {e}"));
+}
+
+/// Parses and validates `source` with naga and translates it to SPIR-V, panicking with `what`
+/// and naga's message on the first failure; the module and its validation info, for more.
+#[cfg(test)]
+pub(crate) fn validate_and_translate_to_spirv(
+    source: &str,
+    what: &str,
+) -> (naga::Module, naga::valid::ModuleInfo) {
+    use naga::back::spv;
+    use naga::valid::{Capabilities, ValidationFlags, Validator};
+
+    let module = naga::front::wgsl::parse_str(source)
+        .unwrap_or_else(|e| panic!("{what}: {}", e.emit_to_string(source)));
+    let info = Validator::new(ValidationFlags::all(), Capabilities::all())
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+    spv::write_vec(&module, &info, &spv::Options::default(), None)
+        .unwrap_or_else(|e| panic!("{what} to SPIR-V: {e}"));
+    (module, info)
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use common::{Expected, errors, fixture_dir, fixture_requests};
 use mmlora::device::{self, Precision, RuntimeDevice};
 use mmlora::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
 use mmlora::lora::ops::ShrinkKernel;
-use mmlora::model::gemm::LinearKernel;
+use mmlora::model::gemm::{self, LinearKernel};
 
 const ADAPTERS: [&str; 4] = ["all-r4", "patterns", "rslora-r8", "tower-r2"];
 
@@ -290,5 +290,35 @@ fn options_that_cannot_work_are_refused() {
     ] {
         let error = Engine::open(&fixture_dir(), device::cpu(), options).unwrap_err();
         assert!(matches!(error, EngineError::Options(_)), "{error}");
+    }
+}
+
+/// The cooperative-matrix linear kernel is refused in f32 everywhere, and in f16 on a device
+/// without cooperative matrices (the CPU backend, lavapipe).
+#[test]
+fn coop_is_refused_where_it_cannot_run() {
+    let gpu = device::gpu_for_tests();
+    let devices = [Some(device::cpu()), gpu].into_iter().flatten();
+    for device in devices {
+        let coop = gemm::coop_subgroup(&device).is_some();
+        for precision in [Precision::F32, Precision::F16] {
+            let options = EngineOptions {
+                linear_kernel: LinearKernel::Coop,
+                precision,
+                ..EngineOptions::default()
+            };
+            let opened = Engine::open(&fixture_dir(), device.clone(), options);
+            let runs = coop && precision == Precision::F16;
+            match opened {
+                Ok(_) => assert!(
+                    runs,
+                    "coop in {} opened on {}",
+                    precision.name(),
+                    device.description
+                ),
+                Err(EngineError::Options(problem)) => assert!(!runs, "{problem}"),
+                Err(error) => panic!("{error}"),
+            }
+        }
     }
 }

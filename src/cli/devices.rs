@@ -2,10 +2,12 @@
 
 use burn::tensor::wgpu::wgpu;
 use mmlora::device::{self, DeviceChoice, Precision};
+use mmlora::model::gemm;
 
 use super::CliError;
 
-/// Lists every adapter wgpu enumerates, then what `--device gpu` and `--device auto` use.
+/// Lists every adapter wgpu enumerates, then what `--device gpu` (with whether f16 and the
+/// `coop` linear kernel run there) and `--device auto` use.
 pub fn run() -> Result<(), CliError> {
     let instance =
         wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
@@ -26,6 +28,23 @@ pub fn run() -> Result<(), CliError> {
                 } else {
                     "unavailable (no SHADER_F16)"
                 }
+            );
+            // What wgpu reports of the adapter's cooperative matrices, for telling why `coop`
+            // is unavailable where it is.
+            let setup = gpu
+                .wgpu
+                .as_ref()
+                .expect("a GPU device keeps its wgpu setup");
+            let info = setup.adapter.get_info();
+            println!(
+                "  --linear-kernel coop: {} (subgroups of {}–{}; cooperative matrices: {:?})",
+                match gemm::coop_subgroup(&gpu) {
+                    Some(subgroup) => format!("available, at subgroups of {subgroup}"),
+                    None => "unavailable".to_owned(),
+                },
+                info.subgroup_min_size,
+                info.subgroup_max_size,
+                setup.adapter.cooperative_matrix_properties()
             );
         }
         Err(error) => println!("--device gpu is unavailable: {error}"),

@@ -33,7 +33,7 @@ use crate::mapping::{
     AdapterRequest, EncoderCache, LoraState, MappingError, MmFeature, Modality, PlaceholderRange,
     SpatialMergeCounts, set_active_mm_loras,
 };
-use crate::model::gemm::LinearKernel;
+use crate::model::gemm::{self, LinearKernel};
 use crate::model::qwen2_vl::{ModelError, Qwen2VlVision, VisionConfig};
 use crate::preprocess::{Patches, PreprocessConfig, PreprocessError, load_image, preprocess};
 use plan::{PlanItem, plan_steps};
@@ -853,6 +853,15 @@ fn check_options(options: &EngineOptions, device: &RuntimeDevice) -> Result<(), 
         Some(format!(
             "the {} linear kernel needs a GPU device (the CPU backend uses Flex's matmul)",
             options.linear_kernel.name()
+        ))
+    } else if options.linear_kernel == LinearKernel::Coop
+        && (options.precision != Precision::F16 || gemm::coop_subgroup(device).is_none())
+    {
+        Some(format!(
+            "the coop linear kernel needs f16 on a GPU with cooperative matrices (16×16×16, \
+             f16 summed in f32) and one subgroup size of 16, 32 or 64; {} with {} does not",
+            device.description,
+            options.precision.name()
         ))
     } else if options.lora_shrink != ShrinkKernel::Auto && device.wgpu.is_none() {
         Some(format!(

@@ -11,6 +11,12 @@
 //! - `shaders/linear_tiled.wgsl` is built for hardware GPUs: 128 × 128 blocks staged through
 //!   workgroup memory, 8 × 8 sums per thread, the next slice's loads in flight during this
 //!   slice's products. It has not yet been timed on one (`tools/h200/run.sh` does).
+//! - `shaders/linear_coop.wgsl` is built for GPUs with cooperative matrices (tensor cores:
+//!   wgpu's experimental `EXPERIMENTAL_COOPERATIVE_MATRIX`, Vulkan's `VK_KHR_cooperative_matrix`),
+//!   in f16: 128 × 128 blocks staged through workgroup memory, each subgroup multiplying 16 × 16
+//!   f16 matrices into 16 × 16 matrices of f32 sums. Only devices that offer those matrices run
+//!   it ([`coop_subgroup`]); lavapipe does not, so it has not yet run (`tools/h200/run.sh`
+//!   tests and times it on the H200).
 //!
 //! On Flex (the CPU backend) the product with a bias is one `gemm` call that adds onto rows of
 //! the bias, whichever kernel is asked for.
@@ -57,6 +63,29 @@ pub const TILED_COLUMNS4: u32 = 32;
 /// TILED_WORKGROUP`.
 pub const TILED_DEPTH: u32 = 8;
 
+/// Invocations per workgroup of `linear_coop.wgsl`: [`COOP_WORKGROUP`] / the subgroup size
+/// subgroups, one cell of the block each.
+pub const COOP_WORKGROUP: u32 = 256;
+
+/// Rows of a `linear_coop.wgsl` block.
+pub const COOP_ROWS: u32 = 128;
+
+/// Columns of a `linear_coop.wgsl` block.
+pub const COOP_COLUMNS: u32 = 128;
+
+/// Columns of `x` (rows of `Wᵀ`) a `linear_coop.wgsl` block stages at a time: two steps of one
+/// 16-wide matrix.
+pub const COOP_DEPTH: u32 = 32;
+
+/// The side of one cooperative matrix of `linear_coop.wgsl` (16 × 16 × 16 products).
+const MATRIX: u32 = 16;
+
+// `{{ loads }}` serves both slices, which are equally large, and every thread loads as many
+// `vec4`s of each.
+const _: () = assert!(
+    COOP_ROWS == COOP_COLUMNS && (COOP_ROWS * COOP_DEPTH / 4).is_multiple_of(COOP_WORKGROUP)
+);
+
 /// Which kernel computes a linear layer's base product on a wgpu device.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum LinearKernel {
@@ -72,6 +101,10 @@ pub enum LinearKernel {
     /// `shaders/linear_tiled.wgsl` (blocks in workgroup memory, for hardware GPUs), where every
     /// width is a multiple of 4 (else Burn's).
     Tiled,
+    /// `shaders/linear_coop.wgsl` (cooperative matrices: tensor cores) for f16 tensors, where
+    /// every width is a multiple of 4 (else Burn's). Only for a device that offers them
+    /// ([`coop_subgroup`]): the engine refuses it elsewhere, where a launch would fail.
+    Coop,
 }
 
 /// Our WGSL kernels for the linear layers.
@@ -81,6 +114,13 @@ pub enum LinearShader {
     Registers,
     /// `shaders/linear_tiled.wgsl`.
     Tiled,
+    /// `shaders/linear_coop.wgsl`.
+    Coop,
+    /// `shaders/linear_coop.wgsl` at subgroups of 32, each cooperative operation replaced by
+    /// its definition in plain WGSL: the kernel's staging, indexing and stores, checked on
+    /// devices without cooperative matrices.
+    #[cfg(test)]
+    CoopEmulated,
 }
 
 /// Linear layers' products with a faster implementation than Burn's on some backend.
@@ -143,6 +183,7 @@ impl LinearKernel {
             LinearKernel::Burn => "burn",
             LinearKernel::Wgsl => "wgsl",
             LinearKernel::Tiled => "tiled",
+            LinearKernel::Coop => "coop",
         }
     }
 
@@ -170,15 +211,16 @@ impl LinearKernel {
         match self {
             LinearKernel::Wgsl => Some(LinearShader::Registers),
             LinearKernel::Tiled => Some(LinearShader::Tiled),
+            LinearKernel::Coop => Some(LinearShader::Coop),
             LinearKernel::Auto | LinearKernel::Burn => None,
         }
     }
 }
 
 /// `x · weight_t (+ bias)`: with our kernel where `kernel` names one, there is a bias, every
-/// width is a multiple of 4 (and `in` not 0) and `x` is on a wgpu device (on Flex the extension
-/// is Burn's matmul and add); with Burn's matmul otherwise (`Auto` included:
-/// [`LinearKernel::resolve`] it first).
+/// width is a multiple of 4 (and `in` not 0), `x` is f16 for `Coop` and `x` is on a wgpu device
+/// (on Flex the extension is Burn's matmul and add); with Burn's matmul otherwise (`Auto`
+/// included: [`LinearKernel::resolve`] it first).
 pub fn linear(
     x: Tensor<2>,
     weight_t: &Tensor<2>,
@@ -187,7 +229,10 @@ pub fn linear(
 ) -> Tensor<2> {
     let [_, in_features] = x.dims();
     let [_, out_features] = weight_t.dims();
-    let fits = in_features > 0 && in_features.is_multiple_of(4) && out_features.is_multiple_of(4);
+    let fits = in_features > 0
+        && in_features.is_multiple_of(4)
+        && out_features.is_multiple_of(4)
+        && (kernel != LinearKernel::Coop || x.dtype() == DType::F16);
     match (bias, kernel.shader()) {
         (Some(bias), Some(shader)) if fits => {
             Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_wgsl(
@@ -207,14 +252,21 @@ pub fn linear(
 }
 
 impl LinearShader {
-    /// Both kernels, for tests that check them all.
-    pub const ALL: [LinearShader; 2] = [LinearShader::Registers, LinearShader::Tiled];
+    /// Every kernel, for tests that check them all.
+    pub const ALL: [LinearShader; 3] = [
+        LinearShader::Registers,
+        LinearShader::Tiled,
+        LinearShader::Coop,
+    ];
 
     /// The shader's file name under `shaders/`.
     pub fn file_name(self) -> &'static str {
         match self {
             LinearShader::Registers => "linear.wgsl",
             LinearShader::Tiled => "linear_tiled.wgsl",
+            LinearShader::Coop => "linear_coop.wgsl",
+            #[cfg(test)]
+            LinearShader::CoopEmulated => "linear_coop.wgsl",
         }
     }
 
@@ -223,6 +275,9 @@ impl LinearShader {
         match self {
             LinearShader::Registers => WORKGROUP,
             LinearShader::Tiled => TILED_WORKGROUP,
+            LinearShader::Coop => COOP_WORKGROUP,
+            #[cfg(test)]
+            LinearShader::CoopEmulated => COOP_WORKGROUP,
         }
     }
 
@@ -231,13 +286,93 @@ impl LinearShader {
         match self {
             LinearShader::Registers => (ROWS, WORKGROUP * COLUMNS),
             LinearShader::Tiled => (TILED_ROWS, TILED_COLUMNS4),
+            LinearShader::Coop => (COOP_ROWS, COOP_COLUMNS / 4),
+            #[cfg(test)]
+            LinearShader::CoopEmulated => (COOP_ROWS, COOP_COLUMNS / 4),
         }
     }
 
-    /// The WGSL source for `elem`.
-    pub fn render(self, elem: Elem) -> String {
-        LinearSource { shader: self, elem }.source().complete()
+    /// The WGSL source for `elem` (`Coop`: f16 alone) on a device whose subgroups have
+    /// `subgroup` invocations (read by `Coop` alone).
+    pub fn render(self, elem: Elem, subgroup: u32) -> String {
+        LinearSource {
+            shader: self,
+            elem,
+            subgroup,
+        }
+        .source()
+        .complete()
     }
+}
+
+/// How `linear_coop.wgsl` cuts its block among the subgroups of a workgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct CoopLayout {
+    /// Subgroups per workgroup: one cell of the block each.
+    subgroups: u32,
+    /// Cells across the block (the rest go down it).
+    subgroup_columns: u32,
+}
+
+impl CoopLayout {
+    /// The layout for subgroups of `subgroup` invocations: 4, 8 or 16 subgroups in a
+    /// workgroup, each cell at most 4 × 4 matrices (`None` for other sizes).
+    fn for_subgroup(subgroup: u32) -> Option<Self> {
+        let subgroups = match subgroup {
+            16 | 32 | 64 => COOP_WORKGROUP / subgroup,
+            _ => return None,
+        };
+        let subgroup_columns = if subgroups == 16 { 4 } else { 2 };
+        Some(CoopLayout {
+            subgroups,
+            subgroup_columns,
+        })
+    }
+
+    /// A cell's matrices down and across.
+    fn matrices(self) -> (u32, u32) {
+        let subgroup_rows = self.subgroups / self.subgroup_columns;
+        (
+            COOP_ROWS / subgroup_rows / MATRIX,
+            COOP_COLUMNS / self.subgroup_columns / MATRIX,
+        )
+    }
+
+    /// Bytes of workgroup memory the kernel declares: the two padded f16 slices and one
+    /// 16 × 16 f32 staging matrix per subgroup.
+    fn workgroup_bytes(self) -> u32 {
+        let x_tile = COOP_ROWS * (COOP_DEPTH + 8) * 2;
+        let w_tile = COOP_DEPTH * (COOP_COLUMNS + 8) * 2;
+        x_tile + w_tile + self.subgroups * MATRIX * MATRIX * 4
+    }
+}
+
+/// The subgroup size `linear_coop.wgsl` runs at on `device`, where it can run there: a wgpu
+/// device with cooperative matrices, subgroups and f16, whose adapter offers 16 × 16 × 16
+/// products of f16 matrices summed in f32 and has one subgroup size that [`CoopLayout`] takes,
+/// and whose workgroup memory holds the kernel's.
+pub fn coop_subgroup(device: &RuntimeDevice) -> Option<u32> {
+    let setup = device.wgpu.as_ref()?;
+    let needed = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
+        | wgpu::Features::SUBGROUP
+        | wgpu::Features::SHADER_F16;
+    let info = setup.adapter.get_info();
+    let f16_in_f32 = setup
+        .adapter
+        .cooperative_matrix_properties()
+        .iter()
+        .any(|p| {
+            [p.m_size, p.n_size, p.k_size] == [MATRIX; 3]
+                && p.ab_type == wgpu::CooperativeScalarType::F16
+                && p.cr_type == wgpu::CooperativeScalarType::F32
+        });
+    let layout = CoopLayout::for_subgroup(info.subgroup_max_size)?;
+    let fits = layout.workgroup_bytes() <= setup.device.limits().max_compute_workgroup_storage_size;
+    (setup.device.features().contains(needed)
+        && f16_in_f32
+        && info.subgroup_min_size == info.subgroup_max_size
+        && fits)
+        .then_some(info.subgroup_max_size)
 }
 
 impl LinearBackend for Flex {
@@ -345,6 +480,7 @@ impl LinearBackend for CubeBackend {
         let kernel = LinearSource {
             shader,
             elem: Elem::of(x.dtype),
+            subgroup: x.client.properties().hardware.plane_size_max,
         };
         let (block_rows, block_columns4) = shader.block();
         let column_blocks = (out_features as u32 / 4).div_ceil(block_columns4);
@@ -374,11 +510,12 @@ impl LinearBackend for CubeBackend {
     }
 }
 
-/// One of our linear shaders for one element type.
+/// One of our linear shaders for one element type and subgroup size (read by `Coop` alone).
 #[derive(Debug, Clone, Copy)]
 struct LinearSource {
     shader: LinearShader,
     elem: Elem,
+    subgroup: u32,
 }
 
 impl KernelSource for LinearSource {
@@ -402,6 +539,11 @@ impl KernelSource for LinearSource {
                     .register("tile_columns4", TILED_COLUMNS4.to_string())
                     .register("depth", TILED_DEPTH.to_string())
             }
+            LinearShader::Coop => coop_template(self.subgroup),
+            #[cfg(test)]
+            LinearShader::CoopEmulated => SourceTemplate::new(tests::emulated_coop(
+                coop_template(tests::EMULATED_SUBGROUP).complete(),
+            )),
         };
         template
             .register("elem", self.elem.wgsl())
@@ -409,7 +551,7 @@ impl KernelSource for LinearSource {
     }
 
     fn id(&self) -> KernelId {
-        KernelId::new::<Self>().info((self.shader, self.elem))
+        KernelId::new::<Self>().info((self.shader, self.elem, self.subgroup))
     }
 
     fn lang(&self) -> &'static str {
@@ -470,6 +612,96 @@ fn unrolled() -> [String; 4] {
     ]
 }
 
+/// `shaders/linear_coop.wgsl` with everything but its element type filled in, for subgroups of
+/// `subgroup` invocations.
+fn coop_template(subgroup: u32) -> SourceTemplate {
+    let layout = CoopLayout::for_subgroup(subgroup)
+        .expect("linear_coop.wgsl runs only where coop_subgroup found its layout");
+    let [declare, multiply, store] = coop_unrolled(layout);
+    SourceTemplate::new(include_str!("../../shaders/linear_coop.wgsl"))
+        .register("workgroup", COOP_WORKGROUP.to_string())
+        .register("subgroups", layout.subgroups.to_string())
+        .register("subgroup_columns", layout.subgroup_columns.to_string())
+        .register("tile_rows", COOP_ROWS.to_string())
+        .register("tile_columns", COOP_COLUMNS.to_string())
+        .register("depth", COOP_DEPTH.to_string())
+        .register(
+            "loads",
+            (COOP_ROWS * COOP_DEPTH / 4 / COOP_WORKGROUP).to_string(),
+        )
+        .register("declare", declare)
+        .register("multiply", multiply)
+        .register("store", store)
+}
+
+/// The statements `shaders/linear_coop.wgsl` repeats for each matrix of a subgroup's cell,
+/// written out with a variable each: `{{ declare }}` (the sums), `{{ multiply }}` (one 16-wide
+/// step of k at column `k` of the slice) and `{{ store }}` (staged, then written with the bias).
+/// Every index and stride is a `let` of its own.
+fn coop_unrolled(layout: CoopLayout) -> [String; 3] {
+    let (down, across) = layout.matrices();
+    let cells: Vec<(u32, u32)> = (0..down)
+        .flat_map(|i| (0..across).map(move |j| (i, j)))
+        .collect();
+    let declare = cells
+        .iter()
+        .map(|(i, j)| format!("var sums_{i}_{j} = coop_mat16x16<f32, C>();"))
+        .collect::<Vec<_>>();
+    let multiply = [
+        (0..down)
+            .flat_map(|i| {
+                [
+                    format!(
+                        "let a_at_{i} = (cell_row + {}u) * X_STRIDE + k;",
+                        MATRIX * i
+                    ),
+                    format!(
+                        "let a_{i} = coopLoadT<coop_mat16x16<f16, A>>(&x_tile[a_at_{i}], x_stride);"
+                    ),
+                ]
+            })
+            .collect::<Vec<_>>(),
+        (0..across)
+            .flat_map(|j| {
+                [
+                    format!(
+                        "let b_at_{j} = k * W_STRIDE + cell_column + {}u;",
+                        MATRIX * j
+                    ),
+                    format!(
+                        "let b_{j} = coopLoadT<coop_mat16x16<f16, B>>(&w_tile[b_at_{j}], w_stride);"
+                    ),
+                ]
+            })
+            .collect(),
+        cells
+            .iter()
+            .map(|(i, j)| format!("sums_{i}_{j} = coopMultiplyAdd(a_{i}, b_{j}, sums_{i}_{j});"))
+            .collect(),
+    ]
+    .concat();
+    let store = cells
+        .iter()
+        .flat_map(|(i, j)| {
+            [
+                format!("coopStoreT(sums_{i}_{j}, &staged[staged_at], staged_stride);"),
+                "workgroupBarrier();".to_owned(),
+                format!(
+                    "store_staged(row0, column0_4, {}u, {}u, lid, out4);",
+                    MATRIX * i,
+                    MATRIX * j
+                ),
+                "workgroupBarrier();".to_owned(),
+            ]
+        })
+        .collect::<Vec<_>>();
+    [
+        wgsl::statements("    ", &declare),
+        wgsl::statements("            ", &multiply),
+        wgsl::statements("    ", &store),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use burn::tensor::{DType, Distribution, TensorData};
@@ -478,7 +710,7 @@ mod tests {
     use crate::device;
     use crate::lora::ops::testing::to_f64;
     use crate::wgsl::MAX_WORKGROUPS_PER_DIM;
-    use crate::wgsl::validate_and_translate;
+    use crate::wgsl::{validate_and_translate, validate_and_translate_to_spirv};
 
     /// Unit roundoff of f32 and of f16.
     const U: f64 = f32::EPSILON as f64 / 2.0;
@@ -501,9 +733,16 @@ mod tests {
     }
 
     /// `x · weightᵀ + bias` in float64, and for each value Higham's bound on the error of an
-    /// f32 sum of its `in + 1` terms: γ(in + 1) · (Σ |x·w| + |b|).
-    fn reference(x: &[f64], weight: &[f64], bias: &[f64], in_features: usize) -> [Vec<f64>; 2] {
-        let gamma = |n: usize| n as f64 * U / (1.0 - n as f64 * U);
+    /// f32 sum of its `in + 1` terms, each addition off by at most `u`: γ(in + 1) · (Σ |x·w| +
+    /// |b|).
+    fn reference(
+        x: &[f64],
+        weight: &[f64],
+        bias: &[f64],
+        in_features: usize,
+        u: f64,
+    ) -> [Vec<f64>; 2] {
+        let gamma = |n: usize| n as f64 * u / (1.0 - n as f64 * u);
         let mut y = Vec::new();
         let mut bound = Vec::new();
         for row in x.chunks(in_features) {
@@ -528,12 +767,35 @@ mod tests {
         out_features: usize,
         dtype: DType,
     ) {
+        let ours = Ours {
+            name: kernel.name(),
+            // Tensor cores may truncate their f32 sums rather than round them.
+            truncating_sums: kernel == LinearKernel::Coop,
+            run: &|x, weight_t, bias| linear(x, weight_t, Some(bias), kernel),
+        };
+        check_ours(gpu, &ours, [rows, in_features, out_features], dtype);
+    }
+
+    /// A product of ours under test: its name, whether its f32 sums may truncate instead of
+    /// round (twice the error per addition), and how it computes `x · weight_t + bias`.
+    struct Ours<'a> {
+        name: &'a str,
+        truncating_sums: bool,
+        run: &'a dyn Fn(Tensor<2>, &Tensor<2>, &Tensor<1>) -> Tensor<2>,
+    }
+
+    /// [`check`] for any product of ours, on `rows × in_features → out_features`.
+    fn check_ours(gpu: &device::RuntimeDevice, ours: &Ours, shape: [usize; 3], dtype: DType) {
+        let [rows, in_features, out_features] = shape;
         let (x, weight, bias) = random(rows, in_features, out_features, dtype);
+        // Products of f16 values are exact in f32 (22 bits of its 24), whatever sums them.
+        let u = if ours.truncating_sums { 2.0 * U } else { U };
         let [expected, mut bound] = reference(
             &to_f64(&x.clone().cast(DType::F32)),
             &to_f64(&weight.clone().cast(DType::F32)),
             &to_f64(&bias.clone().cast(DType::F32)),
             in_features,
+            u,
         );
         if dtype == DType::F16 {
             // The f32 sum is rounded to f16 once at the end.
@@ -543,33 +805,24 @@ mod tests {
         }
         let d = &gpu.device;
         let (x, weight, bias) = (x.to_device(d), weight.to_device(d), bias.to_device(d));
-        let ours = linear(
-            x.clone(),
-            &materialize(weight.clone().transpose()),
-            Some(&bias),
-            kernel,
-        );
+        let y = (ours.run)(x.clone(), &materialize(weight.clone().transpose()), &bias);
         let burns = linear(x, &weight.transpose(), Some(&bias), LinearKernel::Burn);
-        let [ours, burns] = [ours, burns].map(|y| to_f64(&y.cast(DType::F32)));
-        for (i, (((ours, burns), expected), bound)) in ours
-            .iter()
-            .zip(&burns)
-            .zip(&expected)
-            .zip(&bound)
-            .enumerate()
+        let [y, burns] = [y, burns].map(|y| to_f64(&y.cast(DType::F32)));
+        for (i, (((y, burns), expected), bound)) in
+            y.iter().zip(&burns).zip(&expected).zip(&bound).enumerate()
         {
             let (row, col) = (i / out_features, i % out_features);
             let at = format!(
                 "{} {rows}×{in_features}→{out_features} {dtype:?}, y[{row}, {col}]",
-                kernel.name()
+                ours.name
             );
             assert!(
-                (ours - expected).abs() <= *bound,
-                "{at}: ours {ours} vs {expected} (bound {bound:e})"
+                (y - expected).abs() <= *bound,
+                "{at}: ours {y} vs {expected} (bound {bound:e})"
             );
             assert!(
-                dtype == DType::F16 || (ours - burns).abs() <= 2.0 * bound,
-                "{at}: ours {ours} vs Burn's {burns} (bound {bound:e})"
+                dtype == DType::F16 || (y - burns).abs() <= 2.0 * bound,
+                "{at}: ours {y} vs Burn's {burns} (bound {bound:e})"
             );
         }
     }
@@ -616,6 +869,184 @@ mod tests {
                     check(&gpu, kernel, rows, in_features, out_features, DType::F16);
                 }
             }
+        }
+    }
+
+    /// The subgroup size [`LinearShader::CoopEmulated`] is laid out for: the lanes of one
+    /// emulated subgroup are consecutive invocations.
+    pub(super) const EMULATED_SUBGROUP: u32 = 32;
+
+    /// Plain WGSL for each cooperative operation of a rendered `linear_coop.wgsl`. A subgroup is
+    /// [`EMULATED_SUBGROUP`] consecutive invocations; each holds 8 values of a matrix of sums
+    /// (half a row: lane `l` has row `l / 2`, columns `8 · (l % 2)` on). A loaded matrix is
+    /// where it lies in workgroup memory, which holds still while it is used; the product reads
+    /// its rows and columns there. What is left is the kernel's own staging, indexing and stores.
+    pub(super) fn emulated_coop(source: String) -> String {
+        let replacements: [(&str, &str); 7] = [
+            (r"enable wgpu_cooperative_matrix;\n", ""),
+            (r"coop_mat16x16<f32, C>\(\)", "array<f32, 8>()"),
+            (
+                r"coopLoadT<coop_mat16x16<f16, [AB]>>\(&\w+\[(\w+)\], (\w+)\)",
+                "Stored($1, $2)",
+            ),
+            (
+                r"coopMultiplyAdd\((\w+), (\w+), (\w+)\)",
+                "emulated_multiply_add($1, $2, $3, lid)",
+            ),
+            (
+                r"coopStoreT\((\w+), &staged\[staged_at\], staged_stride\)",
+                "emulated_store($1, lid, staged_at, staged_stride)",
+            ),
+            (r"    @builtin\(subgroup_id\) subgroup: u32,\n", ""),
+            (
+                r"    let in4 = params.in_features / 4u;\n",
+                "    let subgroup = lid / EMULATED_SUBGROUP;\n$0",
+            ),
+        ];
+        let mut source = source;
+        for (pattern, replacement) in replacements {
+            let pattern = regex::Regex::new(pattern).unwrap();
+            assert!(
+                pattern.is_match(&source),
+                "{pattern} is in linear_coop.wgsl"
+            );
+            source = pattern.replace_all(&source, replacement).into_owned();
+        }
+        let left = regex::Regex::new(r"coop[A-Z_]").unwrap();
+        assert!(
+            !left.is_match(&source),
+            "every cooperative operation is emulated"
+        );
+        source + &format!("const EMULATED_SUBGROUP: u32 = {EMULATED_SUBGROUP}u;\n") + EMULATED
+    }
+
+    /// The cooperative operations [`emulated_coop`] calls: `Stored` is an A matrix in `x_tile`
+    /// or a B matrix in `w_tile`, rows `stride` apart.
+    const EMULATED: &str = r"
+struct Stored {
+    at: u32,
+    stride: u32,
+}
+
+fn emulated_multiply_add(a: Stored, b: Stored, c: array<f32, 8>, lid: u32) -> array<f32, 8> {
+    let lane = lid % EMULATED_SUBGROUP;
+    let row = lane / 2u;
+    let column0 = 8u * (lane % 2u);
+    var d = c;
+    for (var i = 0u; i < 8u; i++) {
+        for (var k = 0u; k < 16u; k++) {
+            let x = f32(x_tile[a.at + row * a.stride + k]);
+            d[i] += x * f32(w_tile[b.at + k * b.stride + column0 + i]);
+        }
+    }
+    return d;
+}
+
+fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
+    let lane = lid % EMULATED_SUBGROUP;
+    var values = m;
+    for (var i = 0u; i < 8u; i++) {
+        staged[at + (lane / 2u) * stride + 8u * (lane % 2u) + i] = values[i];
+    }
+}
+";
+
+    /// `linear_coop.wgsl` with its cooperative operations emulated ([`emulated_coop`]), in f16
+    /// on any GPU with it (lavapipe too): row counts past one row block, widths below and past
+    /// one block's columns, depths below and past one staged slice. The cooperative operations
+    /// themselves are checked where the device has them ([`coop_matches_float64`]).
+    #[test]
+    fn coop_emulated_matches_float64() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        if !gpu.supports(crate::device::Precision::F16) {
+            eprintln!(
+                "{}: no SHADER_F16, emulated coop test not run",
+                gpu.description
+            );
+            return;
+        }
+        let ours = Ours {
+            name: "coop (emulated)",
+            truncating_sums: false,
+            run: &|x, weight_t, bias| {
+                Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_wgsl(
+                    x.into_dispatch(),
+                    weight_t.clone().into_dispatch(),
+                    bias.clone().into_dispatch(),
+                    LinearShader::CoopEmulated,
+                ))
+            },
+        };
+        let (block, columns, depth) = (
+            COOP_ROWS as usize,
+            COOP_COLUMNS as usize,
+            COOP_DEPTH as usize,
+        );
+        for rows in [1, block + 1] {
+            for (in_features, out_features) in [
+                (4, 4),
+                (depth - 4, columns - 4),
+                (2 * depth + 4, 2 * columns + 4),
+            ] {
+                check_ours(&gpu, &ours, [rows, in_features, out_features], DType::F16);
+            }
+        }
+    }
+
+    /// The cooperative-matrix kernel, in f16 where the device offers it (not lavapipe): row
+    /// counts around its row block; widths below, at and past one block's columns, and depths
+    /// below, at and past one staged slice; the shapes of Qwen2-VL-2B's linears.
+    #[test]
+    fn coop_matches_float64() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        if coop_subgroup(&gpu).is_none() {
+            eprintln!(
+                "{}: no cooperative matrices, coop test not run",
+                gpu.description
+            );
+            return;
+        }
+        let (block, columns, depth) = (
+            COOP_ROWS as usize,
+            COOP_COLUMNS as usize,
+            COOP_DEPTH as usize,
+        );
+        for rows in [1, block - 1, block, block + 1, 3 * block + 5] {
+            for (in_features, out_features) in [
+                (4, 4),
+                (depth - 4, columns - 4),
+                (depth + 4, columns + 4),
+                (4 * depth + 4, 2 * columns),
+            ] {
+                check(
+                    &gpu,
+                    LinearKernel::Coop,
+                    rows,
+                    in_features,
+                    out_features,
+                    DType::F16,
+                );
+            }
+        }
+        for (in_features, out_features) in [
+            (1280, 3840),
+            (1280, 1280),
+            (1280, 5120),
+            (5120, 1280),
+            (5120, 1536),
+        ] {
+            check(
+                &gpu,
+                LinearKernel::Coop,
+                2 * block + 3,
+                in_features,
+                out_features,
+                DType::F16,
+            );
         }
     }
 
@@ -698,14 +1129,23 @@ mod tests {
             d,
         );
         let bias = Tensor::<1>::from_data([0.5f32, -0.5, 1.0, 2.0], d);
-        for kernel in [LinearKernel::Wgsl, LinearKernel::Tiled] {
+        let coop = coop_subgroup(&gpu).is_some();
+        for (kernel, dtype) in [
+            (LinearKernel::Wgsl, DType::F32),
+            (LinearKernel::Tiled, DType::F32),
+            (LinearKernel::Coop, DType::F16),
+        ] {
+            if kernel == LinearKernel::Coop && !coop {
+                continue;
+            }
             let (block_rows, _) = kernel.shader().unwrap().block();
             let rows = MAX_WORKGROUPS_PER_DIM as usize * block_rows as usize + 5;
             let x: Vec<f32> = (0..rows * 4).map(|i| (i % 7) as f32 - 3.0).collect();
-            let x = Tensor::<2>::from_data(TensorData::new(x, [rows, 4]), d);
+            let x = Tensor::<2>::from_data(TensorData::new(x, [rows, 4]), d).cast(dtype);
+            let (weight_t, bias) = (weight_t.clone().cast(dtype), bias.clone().cast(dtype));
             let ours = linear(x.clone(), &weight_t, Some(&bias), kernel);
             let burns = linear(x, &weight_t, Some(&bias), LinearKernel::Burn);
-            // Small integers and halves: both sums are exact.
+            // Small integers and halves, below 2048: both sums are exact, in f16 too.
             ours.into_data().assert_eq(&burns.into_data(), true);
         }
     }
@@ -730,11 +1170,30 @@ mod tests {
 
     #[test]
     fn shaders_validate_and_translate_to_every_backend() {
-        for shader in LinearShader::ALL {
+        for shader in [LinearShader::Registers, LinearShader::Tiled] {
             for elem in Elem::ALL {
                 let what = format!("{} ({elem:?})", shader.file_name());
-                validate_and_translate(&shader.render(elem), &what);
+                validate_and_translate(&shader.render(elem, 0), &what);
             }
         }
+    }
+
+    /// The cooperative-matrix kernel at every subgroup size it takes, to SPIR-V (naga writes
+    /// cooperative matrices for Vulkan and, 8 × 8 alone, for Metal; 16 × 16 is Vulkan's).
+    #[test]
+    fn coop_shader_validates_and_translates_to_spirv() {
+        for subgroup in [16, 32, 64] {
+            let layout = CoopLayout::for_subgroup(subgroup).unwrap();
+            let (down, across) = layout.matrices();
+            assert_eq!(
+                layout.subgroups * down * across,
+                64,
+                "the cells cover the block"
+            );
+            let what = format!("linear_coop.wgsl (subgroup {subgroup})");
+            validate_and_translate_to_spirv(&LinearShader::Coop.render(Elem::F16, subgroup), &what);
+        }
+        assert_eq!(CoopLayout::for_subgroup(8), None);
+        assert_eq!(CoopLayout::for_subgroup(128), None);
     }
 }

@@ -24,7 +24,9 @@ step() { echo "== $1" >&2; shift; timeout "$@"; echo "== exit $?" >&2; }
     # Correctness on a real Vulkan driver: the op against the native path, the engine against
     # transformers + PEFT, isolation, device faults.
     step "op tests" 300 /tmp/bin/lib lora::ops
-    step "linear kernel tests" 300 /tmp/bin/lib model::gemm
+    # model::gemm holds the cooperative-matrix kernel's test (coop_matches_float64), which
+    # runs only where the adapter has cooperative matrices; `devices` says whether it has.
+    step "linear kernel tests" 300 /tmp/bin/lib model::gemm --nocapture
     step "engine tests" 300 /tmp/bin/engine
     step "soak (200 batches)" 300 env MMLORA_SOAK_BATCHES=200 /tmp/bin/soak on_wgpu --nocapture
     step "device faults" 300 /tmp/bin/device_faults
@@ -32,7 +34,8 @@ step() { echo "== $1" >&2; shift; timeout "$@"; echo "== exit $?" >&2; }
 # Numbers: the issue's shapes (8 images of 448², 1–16 adapters, ranks 16 and 64; the op at
 # 256, 4096 and 8192 rows), the same in f16, Burn's matmul against our tiled linear kernel in
 # f32 and f16 (auto runs the base with both; ours is unmeasured on a hardware GPU, so it has
-# steps of its own), the op with the shrink shader built for software GPUs (auto takes the
+# steps of its own), the f16 linears on cooperative matrices (coop: never run before, the
+# tensor cores), the op with the shrink shader built for software GPUs (auto takes the
 # split one on a hardware GPU: compare with bench 448's op lines), then how time and memory
 # grow with images and adapters.
 step "bench 448" 300 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
@@ -44,6 +47,9 @@ step "linear kernels 448" 90 /tmp/bin/mmlora bench --device gpu --json --images 
 step "bench 448 f16" 120 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
     --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 --linear-kernel burn \
     > "$OUT/bench-448-f16.jsonl" 2> "$OUT/bench-448-f16.log"
+step "coop linears 448 f16" 120 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
+    --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 --linear-kernel coop \
+    > "$OUT/coop-448-f16.jsonl" 2> "$OUT/coop-448-f16.log"
 step "lora shrink registers" 60 /tmp/bin/mmlora bench --device gpu --json --images 1 --side 448 \
     --adapters 8 --ranks 16,64 --op-rows 256,4096 --linear-kernel burn --lora-shrink registers \
     > "$OUT/shrink-registers.jsonl" 2> "$OUT/shrink-registers.log"

@@ -1,0 +1,152 @@
+// Linear on cooperative matrices (tensor cores), f16 in and out, f32 sums:
+//     y[row, col] = sum_k x[row, k] * weight_t[k, col] + bias[col]
+//
+// One workgroup per block of TILE_ROWS × TILE_COLUMNS outputs. The k loop walks DEPTH columns of
+// x (rows of weight_t) at a time: the workgroup copies that slice of both into workgroup memory,
+// each thread LOADS vec4s of each, and the loads for the next slice are issued before the
+// products of this one. The block is cut into one cell per subgroup (SUBGROUP_ROWS ×
+// SUBGROUP_COLUMNS cells); a subgroup keeps its cell's sums as CELL_TILES_ROWS ×
+// CELL_TILES_COLUMNS 16 × 16 matrices of f32 and multiplies 16 × 16 f16 matrices of the slice
+// into them, 16 columns of k at a time (the runtime writes these steps out, one variable per matrix).
+//
+// At the end each subgroup stores one of its matrices at a time into its own 16 × 16 staging
+// area, and the whole workgroup adds the bias and writes every subgroup's staged matrix to y
+//. Every barrier and every cooperative operation is reached by every thread:
+// the control flow around them depends on uniform values alone.
+//
+// Rows and columns past the last are clamped to it: read and summed, never stored. Columns of x
+// past in_features, and rows of weight_t past it, read as zero. Every width is a multiple of 4.
+// The row strides in workgroup memory are padded by 8 values (16 bytes), which keeps a
+// matrix's rows off one bank and every cooperative load 16-byte aligned.
+enable f16;
+enable wgpu_cooperative_matrix;
+
+@group(0) @binding(0) var<storage, read_write> x: array<vec4<f16>>;        // [rows, in / 4]
+@group(0) @binding(1) var<storage, read_write> weight_t: array<vec4<f16>>; // [in, out / 4]
+@group(0) @binding(2) var<storage, read_write> bias: array<vec4<f16>>;     // [out / 4]
+@group(0) @binding(3) var<storage, read_write> y: array<vec4<f16>>;        // [rows, out / 4]
+
+struct Params {
+    rows: u32,
+    in_features: u32,
+    out_features: u32,
+    first_row: u32, // of this launch: one launch has at most 65535 blocks of rows
+}
+@group(0) @binding(4) var<uniform> params: Params;
+
+const WORKGROUP: u32 = {{ workgroup }}u;
+const SUBGROUPS: u32 = {{ subgroups }}u; // WORKGROUP / the device's one subgroup size
+const SUBGROUP_COLUMNS: u32 = {{ subgroup_columns }}u; // cells across the block
+const TILE_ROWS: u32 = {{ tile_rows }}u;
+const TILE_COLUMNS: u32 = {{ tile_columns }}u;
+const DEPTH: u32 = {{ depth }}u;
+const LOADS: u32 = {{ loads }}u; // vec4s of each slice per thread: TILE_ROWS · DEPTH / 4 / WORKGROUP
+
+const CELL_ROWS: u32 = TILE_ROWS / (SUBGROUPS / SUBGROUP_COLUMNS);
+const CELL_COLUMNS: u32 = TILE_COLUMNS / SUBGROUP_COLUMNS;
+const X_STRIDE: u32 = DEPTH + 8u;
+const W_STRIDE: u32 = TILE_COLUMNS + 8u;
+
+// The slice of x: x_tile[m * X_STRIDE + k] = x[row m of the block, column k of the slice].
+var<workgroup> x_tile: array<f16, TILE_ROWS * X_STRIDE>;
+// The slice of weight_t: w_tile[k * W_STRIDE + n] = weight_t[row k of the slice, column n].
+var<workgroup> w_tile: array<f16, DEPTH * W_STRIDE>;
+// One 16 × 16 matrix of sums per subgroup, row by row, on its way to y.
+var<workgroup> staged: array<f32, SUBGROUPS * 256u>;
+
+// The `i`-th vec4 of the slice of x from column k0 (row i / (DEPTH / 4) of the block); zero
+// past in_features.
+fn load_x(row0: u32, k0: u32, i: u32, in4: u32) -> vec4<f16> {
+    let row = min(row0 + i / (DEPTH / 4u), params.rows - 1u);
+    let k4 = k0 / 4u + i % (DEPTH / 4u);
+    return select(vec4<f16>(), x[row * in4 + min(k4, in4 - 1u)], k4 < in4);
+}
+
+// The `i`-th vec4 of the slice of weight_t from row k0 (row i / (TILE_COLUMNS / 4) of the
+// slice); zero past in_features.
+fn load_w(column0_4: u32, k0: u32, i: u32, out4: u32) -> vec4<f16> {
+    let k = k0 + i / (TILE_COLUMNS / 4u);
+    let column = min(column0_4 + i % (TILE_COLUMNS / 4u), out4 - 1u);
+    let at = min(k, params.in_features - 1u) * out4 + column;
+    return select(vec4<f16>(), weight_t[at], k < params.in_features);
+}
+
+fn put_x(i: u32, v: vec4<f16>) {
+    let at = (i / (DEPTH / 4u)) * X_STRIDE + (i % (DEPTH / 4u)) * 4u;
+    x_tile[at] = v.x;
+    x_tile[at + 1u] = v.y;
+    x_tile[at + 2u] = v.z;
+    x_tile[at + 3u] = v.w;
+}
+
+fn put_w(i: u32, v: vec4<f16>) {
+    let at = (i / (TILE_COLUMNS / 4u)) * W_STRIDE + (i % (TILE_COLUMNS / 4u)) * 4u;
+    w_tile[at] = v.x;
+    w_tile[at + 1u] = v.y;
+    w_tile[at + 2u] = v.z;
+    w_tile[at + 3u] = v.w;
+}
+
+// Writes every subgroup's staged matrix, plus the bias, to y where the row and column exist:
+// the one at rows `tile_row` and columns `tile_column` of each subgroup's cell.
+fn store_staged(row0: u32, column0_4: u32, tile_row: u32, tile_column: u32, lid: u32, out4: u32) {
+    for (var e = lid; e < SUBGROUPS * 64u; e += WORKGROUP) {
+        let cell = e / 64u;
+        let r = (e % 64u) / 4u;
+        let c4 = e % 4u;
+        let row = row0 + (cell / SUBGROUP_COLUMNS) * CELL_ROWS + tile_row + r;
+        let column4 = column0_4 + ((cell % SUBGROUP_COLUMNS) * CELL_COLUMNS + tile_column) / 4u + c4;
+        if (row < params.rows && column4 < out4) {
+            let at = cell * 256u + r * 16u + c4 * 4u;
+            let sums = vec4<f32>(staged[at], staged[at + 1u], staged[at + 2u], staged[at + 3u]);
+            y[row * out4 + column4] = vec4<f16>(sums + vec4<f32>(bias[column4]));
+        }
+    }
+}
+
+@compute @workgroup_size(WORKGROUP)
+fn main(
+    @builtin(workgroup_id) workgroup: vec3<u32>,
+    @builtin(local_invocation_index) lid: u32,
+    @builtin(subgroup_id) subgroup: u32,
+) {
+    let in4 = params.in_features / 4u;
+    let out4 = params.out_features / 4u;
+    let row0 = params.first_row + workgroup.y * TILE_ROWS;
+    let column0_4 = workgroup.x * (TILE_COLUMNS / 4u);
+    // This subgroup's cell of the block, and its staging area.
+    let cell_row = (subgroup / SUBGROUP_COLUMNS) * CELL_ROWS;
+    let cell_column = (subgroup % SUBGROUP_COLUMNS) * CELL_COLUMNS;
+    let staged_at = subgroup * 256u;
+    let x_stride = X_STRIDE;
+    let w_stride = W_STRIDE;
+    let staged_stride = 16u;
+
+{{ declare }}
+    var x_next: array<vec4<f16>, LOADS>;
+    var w_next: array<vec4<f16>, LOADS>;
+    for (var j = 0u; j < LOADS; j++) {
+        x_next[j] = load_x(row0, 0u, lid + j * WORKGROUP, in4);
+        w_next[j] = load_w(column0_4, 0u, lid + j * WORKGROUP, out4);
+    }
+    for (var k0 = 0u; k0 < params.in_features; k0 += DEPTH) {
+        workgroupBarrier(); // every subgroup is done with the previous slice
+        for (var j = 0u; j < LOADS; j++) {
+            put_x(lid + j * WORKGROUP, x_next[j]);
+            put_w(lid + j * WORKGROUP, w_next[j]);
+        }
+        workgroupBarrier();
+
+        if (k0 + DEPTH < params.in_features) {
+            for (var j = 0u; j < LOADS; j++) {
+                x_next[j] = load_x(row0, k0 + DEPTH, lid + j * WORKGROUP, in4);
+                w_next[j] = load_w(column0_4, k0 + DEPTH, lid + j * WORKGROUP, out4);
+            }
+        }
+        for (var k = 0u; k < DEPTH; k += 16u) {
+{{ multiply }}
+        }
+    }
+
+{{ store }}
+}
