@@ -1,16 +1,19 @@
 //! The linear layers' base product `x · Wᵀ + b` on the GPU wgpu finds: Burn's matmul and add
-//! against our kernels (`shaders/linear.wgsl`, `shaders/linear_tiled.wgsl`), at each linear
-//! shape of Qwen2-VL-2B's tower and merger. `cargo bench --bench linear` runs the tower's at 512
-//! rows (8 images of 112²); `MMLORA_BENCH_ROWS=8192` at 8 images of 448². The merger's see a
-//! quarter of the rows.
+//! against our kernels (`shaders/linear.wgsl`, `shaders/linear_tiled.wgsl`, and in f16 on a
+//! device with cooperative matrices `shaders/linear_coop.wgsl`), in f32 and, where the device
+//! has `SHADER_F16`, f16, at each linear shape of Qwen2-VL-2B's tower and merger. Throughput is
+//! in floating-point operations (`2 · rows · in · out` per call): criterion's `elem/s` are
+//! FLOP/s. `cargo bench --bench linear` runs the tower's at 512 rows (8 images of 112²);
+//! `MMLORA_BENCH_ROWS=8192` at 8 images of 448². The merger's see a quarter of the rows.
+//! Criterion's `--warm-up-time` and `--measurement-time` override the 2 s and 10 s below.
 
 use std::time::Duration;
 
 use burn::tensor::{Distribution, Tensor};
-use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
+use criterion::{Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
 use mmlora::bench::op::timed;
-use mmlora::device;
-use mmlora::model::gemm::{LinearKernel, linear, materialize};
+use mmlora::device::{self, Precision};
+use mmlora::model::gemm::{LinearKernel, coop_subgroup, linear, materialize};
 
 /// `(name, in, out)` of each linear of the 2B shape.
 const LAYERS: [(&str, usize, usize); 6] = [
@@ -39,6 +42,15 @@ fn linears(c: &mut Criterion) {
     };
     eprintln!("gpu: {}", gpu.description);
     let d = &gpu.device;
+    let mut runs = vec![(Precision::F32, LinearKernel::Burn)];
+    runs.extend([LinearKernel::Wgsl, LinearKernel::Tiled].map(|k| (Precision::F32, k)));
+    if gpu.supports(Precision::F16) {
+        let ours = [LinearKernel::Burn, LinearKernel::Wgsl, LinearKernel::Tiled];
+        runs.extend(ours.map(|k| (Precision::F16, k)));
+        if coop_subgroup(&gpu).is_some() {
+            runs.push((Precision::F16, LinearKernel::Coop));
+        }
+    }
     for (name, in_features, out_features) in LAYERS {
         // The merger's linears see a quarter of the rows (2×2 patches merged).
         let rows = if name.starts_with("merger") {
@@ -52,13 +64,20 @@ fn linears(c: &mut Criterion) {
         let weight_t = materialize(weight.transpose());
         let bias = Tensor::<1>::random([out_features], uniform, d);
         let mut group = c.benchmark_group(format!("{name}_{rows}x{in_features}x{out_features}"));
+        let flops = 2 * rows * in_features * out_features;
         group
             .sampling_mode(SamplingMode::Flat)
             .sample_size(10)
-            .warm_up_time(Duration::from_secs(2))
-            .measurement_time(Duration::from_secs(10));
-        for kernel in [LinearKernel::Burn, LinearKernel::Wgsl, LinearKernel::Tiled] {
-            group.bench_function(kernel.name(), |bench| {
+            .throughput(Throughput::Elements(flops as u64));
+        for &(precision, kernel) in &runs {
+            let dtype = precision.dtype();
+            let (x, weight_t, bias) = (
+                x.clone().cast(dtype),
+                weight_t.clone().cast(dtype),
+                bias.clone().cast(dtype),
+            );
+            let id = format!("{}_{}", kernel.name(), precision.name());
+            group.bench_function(id, |bench| {
                 bench.iter_custom(|n| {
                     timed(&gpu, n, || {
                         linear(x.clone(), &weight_t, Some(&bias), kernel)
@@ -70,5 +89,11 @@ fn linears(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, linears);
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_secs(2))
+        .measurement_time(Duration::from_secs(10));
+    targets = linears
+}
 criterion_main!(benches);

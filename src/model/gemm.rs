@@ -712,6 +712,16 @@ mod tests {
     use crate::wgsl::MAX_WORKGROUPS_PER_DIM;
     use crate::wgsl::{validate_and_translate, validate_and_translate_to_spirv};
 
+    /// `(in, out)` of Qwen2-VL-2B's linears: `qkv`, `attn.proj`, `fc1`, `fc2`, the merger's
+    /// second layer.
+    const QWEN2_VL_2B_LINEARS: [(usize, usize); 5] = [
+        (1280, 3840),
+        (1280, 1280),
+        (1280, 5120),
+        (5120, 1280),
+        (5120, 1536),
+    ];
+
     /// Unit roundoff of f32 and of f16.
     const U: f64 = f32::EPSILON as f64 / 2.0;
     const U16: f64 = 1.0 / 2048.0;
@@ -848,13 +858,7 @@ mod tests {
                     check(&gpu, kernel, rows, in_features, out_features, DType::F32);
                 }
             }
-            for (in_features, out_features) in [
-                (1280, 3840),
-                (1280, 1280),
-                (1280, 5120),
-                (5120, 1280),
-                (5120, 1536),
-            ] {
+            for (in_features, out_features) in QWEN2_VL_2B_LINEARS {
                 check(
                     &gpu,
                     kernel,
@@ -953,7 +957,8 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
 
     /// `linear_coop.wgsl` with its cooperative operations emulated ([`emulated_coop`]), in f16
     /// on any GPU with it (lavapipe too): row counts past one row block, widths below and past
-    /// one block's columns, depths below and past one staged slice. The cooperative operations
+    /// one block's columns, depths below and past one staged slice, and `attn.qkv` of the 2B
+    /// shape. The cooperative operations
     /// themselves are checked where the device has them ([`coop_matches_float64`]).
     #[test]
     fn coop_emulated_matches_float64() {
@@ -993,6 +998,8 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
                 check_ours(&gpu, &ours, [rows, in_features, out_features], DType::F16);
             }
         }
+        // `attn.qkv` of the 2B shape: 40 slices deep, 30 blocks across.
+        check_ours(&gpu, &ours, [block + 3, 1280, 3840], DType::F16);
     }
 
     /// The cooperative-matrix kernel, in f16 where the device offers it (not lavapipe): row
@@ -1032,13 +1039,7 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
                 );
             }
         }
-        for (in_features, out_features) in [
-            (1280, 3840),
-            (1280, 1280),
-            (1280, 5120),
-            (5120, 1280),
-            (5120, 1536),
-        ] {
+        for (in_features, out_features) in QWEN2_VL_2B_LINEARS {
             check(
                 &gpu,
                 LinearKernel::Coop,

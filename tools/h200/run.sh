@@ -10,12 +10,9 @@ export XDG_RUNTIME_DIR=/tmp CI=true WGPU_BACKEND=vulkan
 # The binaries find the fixtures under the path they were built in.
 mkdir -p /work && ln -sfn "$PWD" /work/main
 python3 - <<'PY'
-import lzma, os, pathlib
-out = pathlib.Path("/tmp/bin"); out.mkdir(exist_ok=True)
-for packed in pathlib.Path(".device").glob("*.xz"):
-    target = out / packed.stem
-    target.write_bytes(lzma.decompress(packed.read_bytes()))
-    os.chmod(target, 0o755)
+import tarfile
+with tarfile.open(".device/binaries.tar.xz", "r:xz") as packed:
+    packed.extractall("/tmp/bin", filter="tar")
 PY
 step() { echo "== $1" >&2; shift; timeout "$@"; echo "== exit $?" >&2; }
 {
@@ -35,9 +32,9 @@ step() { echo "== $1" >&2; shift; timeout "$@"; echo "== exit $?" >&2; }
 # 256, 4096 and 8192 rows), the same in f16, Burn's matmul against our tiled linear kernel in
 # f32 and f16 (auto runs the base with both; ours is unmeasured on a hardware GPU, so it has
 # steps of its own), the f16 linears on cooperative matrices (coop: never run before, the
-# tensor cores), the op with the shrink shader built for software GPUs (auto takes the
-# split one on a hardware GPU: compare with bench 448's op lines), then how time and memory
-# grow with images and adapters.
+# tensor cores), each linear alone in every kernel and precision (FLOP/s), the op with the
+# shrink shader built for software GPUs (auto takes the split one on a hardware GPU: compare
+# with bench 448's op lines), then how time and memory grow with images and adapters.
 step "bench 448" 300 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
     --adapters 1,2,4,8,16 --ranks 16,64 --op-rows 256,4096,8192 --linear-kernel burn \
     --plot "$OUT/h200-448.png" > "$OUT/bench-448.jsonl" 2> "$OUT/bench-448.log"
@@ -50,6 +47,8 @@ step "bench 448 f16" 120 /tmp/bin/mmlora bench --device gpu --json --images 8 --
 step "coop linears 448 f16" 120 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
     --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 --linear-kernel coop \
     > "$OUT/coop-448-f16.jsonl" 2> "$OUT/coop-448-f16.log"
+step "linears alone 8192 rows" 100 env MMLORA_BENCH_ROWS=8192 /tmp/bin/linear_bench --bench \
+    --warm-up-time 0.5 --measurement-time 1 > "$OUT/linears-8192.log" 2>&1
 step "lora shrink registers" 60 /tmp/bin/mmlora bench --device gpu --json --images 1 --side 448 \
     --adapters 8 --ranks 16,64 --op-rows 256,4096 --linear-kernel burn --lora-shrink registers \
     > "$OUT/shrink-registers.jsonl" 2> "$OUT/shrink-registers.log"
