@@ -64,6 +64,8 @@ fn a_mixed_batch_from_image_files_matches_peft_on_wgpu() {
     assert_matches_fixtures(&results, 1e-4, &gpu.description);
 }
 
+/// f16 against PEFT in f32, with the default linears and, where the device has cooperative
+/// matrices, with `coop`'s.
 #[test]
 fn f16_on_the_gpu_stays_close_to_peft_in_f32() {
     let Some(gpu) = device::gpu_for_tests() else {
@@ -74,38 +76,49 @@ fn f16_on_the_gpu_stays_close_to_peft_in_f32() {
         "{} has no SHADER_F16 (lavapipe has it)",
         gpu.description
     );
-    let options = EngineOptions {
-        precision: Precision::F16,
-        ..EngineOptions::default()
-    };
-    let results = engine(&gpu, options)
-        .encode(&fixture_requests(), true)
-        .unwrap();
-    let expected = Expected::load();
-    let mut worst_rel: f64 = 0.0;
-    for result in &results {
-        let tower = result.tower.as_ref().expect("asked for the tower");
-        for (name, actual) in [("tower", &tower.values), ("embeds", &result.embeds.values)] {
-            let (want, _) = expected.f32(&format!("{}.{name}", result.id));
-            let (rel, _) = errors(actual, &want);
-            worst_rel = worst_rel.max(rel);
-            // Tolerance: rel. Frobenius 4e-3 — f16 keeps 11 bits (unit roundoff 4.9e-4), and
-            // weights, activations and each matmul's output are rounded to it through two
-            // blocks and the merger; measured 1.44e-3 at worst on lavapipe.
-            assert!(
-                rel <= 4e-3,
-                "{} ({:?}) {name} in f16: rel {rel:e}",
-                result.id,
-                result.adapter
-            );
-        }
+    let mut kernels = vec![LinearKernel::Auto];
+    if gemm::coop_subgroup(&gpu).is_some() {
+        kernels.push(LinearKernel::Coop);
     }
-    eprintln!("f16 against PEFT f32: worst rel. Frobenius error {worst_rel:e}");
-    // An f32 run is within 1e-5 (above): f16's rounding must show, or it did not run in f16.
-    assert!(
-        worst_rel > 1e-4,
-        "f16 results as exact as f32 ({worst_rel:e}): the model did not compute in f16"
-    );
+    for linear_kernel in kernels {
+        let options = EngineOptions {
+            precision: Precision::F16,
+            linear_kernel,
+            ..EngineOptions::default()
+        };
+        let results = engine(&gpu, options)
+            .encode(&fixture_requests(), true)
+            .unwrap();
+        let expected = Expected::load();
+        let mut worst_rel: f64 = 0.0;
+        for result in &results {
+            let tower = result.tower.as_ref().expect("asked for the tower");
+            for (name, actual) in [("tower", &tower.values), ("embeds", &result.embeds.values)] {
+                let (want, _) = expected.f32(&format!("{}.{name}", result.id));
+                let (rel, _) = errors(actual, &want);
+                worst_rel = worst_rel.max(rel);
+                // Tolerance: rel. Frobenius 4e-3 — f16 keeps 11 bits (unit roundoff 4.9e-4),
+                // and weights, activations and each matmul's output are rounded to it through
+                // two blocks and the merger; measured 1.44e-3 at worst on lavapipe.
+                assert!(
+                    rel <= 4e-3,
+                    "{} ({:?}) {name} in f16, {} linears: rel {rel:e}",
+                    result.id,
+                    result.adapter,
+                    linear_kernel.name()
+                );
+            }
+        }
+        eprintln!(
+            "f16 ({} linears) against PEFT f32: worst rel. Frobenius error {worst_rel:e}",
+            linear_kernel.name()
+        );
+        // An f32 run is within 1e-5 (above): f16's rounding must show, or it did not run in f16.
+        assert!(
+            worst_rel > 1e-4,
+            "f16 results as exact as f32 ({worst_rel:e}): the model did not compute in f16"
+        );
+    }
 }
 
 #[test]
