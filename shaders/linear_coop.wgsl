@@ -4,20 +4,20 @@
 // One workgroup per block of TILE_ROWS × TILE_COLUMNS outputs. The k loop walks DEPTH columns of
 // x (rows of weight_t) at a time: the workgroup copies that slice of both into workgroup memory,
 // each thread LOADS vec4s of each, and the loads for the next slice are issued before the
-// products of this one. The block is cut into one cell per subgroup (SUBGROUP_ROWS ×
-// SUBGROUP_COLUMNS cells); a subgroup keeps its cell's sums as CELL_TILES_ROWS ×
-// CELL_TILES_COLUMNS 16 × 16 matrices of f32 and multiplies 16 × 16 f16 matrices of the slice
-// into them, 16 columns of k at a time (the runtime writes these steps out, one variable per matrix).
+// products of this one. The block is cut into one cell of CELL_ROWS × CELL_COLUMNS per subgroup,
+// SUBGROUP_COLUMNS cells across. A subgroup keeps its cell's sums as 16 × 16 matrices of f32 and
+// multiplies 16 × 16 f16 matrices of the slice into them, 16 columns of k at a time; the runtime
+// writes these steps out, one variable per matrix.
 //
 // At the end each subgroup stores one of its matrices at a time into its own 16 × 16 staging
-// area, and the whole workgroup adds the bias and writes every subgroup's staged matrix to y
-//. Every barrier and every cooperative operation is reached by every thread:
-// the control flow around them depends on uniform values alone.
+// area, and the whole workgroup adds the bias and writes every subgroup's staged matrix to y.
+// Every barrier and every cooperative operation is reached by every thread: the control flow
+// around them depends on uniform values alone.
 //
 // Rows and columns past the last are clamped to it: read and summed, never stored. Columns of x
 // past in_features, and rows of weight_t past it, read as zero. Every width is a multiple of 4.
-// The row strides in workgroup memory are padded by 8 values (16 bytes), which keeps a
-// matrix's rows off one bank and every cooperative load 16-byte aligned.
+// The rows of both slices in workgroup memory are padded by PAD values (16 bytes), which keeps
+// a matrix's rows off one bank and every cooperative load 16-byte aligned.
 enable f16;
 enable wgpu_cooperative_matrix;
 
@@ -41,11 +41,12 @@ const TILE_ROWS: u32 = {{ tile_rows }}u;
 const TILE_COLUMNS: u32 = {{ tile_columns }}u;
 const DEPTH: u32 = {{ depth }}u;
 const LOADS: u32 = {{ loads }}u; // vec4s of each slice per thread: TILE_ROWS · DEPTH / 4 / WORKGROUP
+const PAD: u32 = {{ pad }}u; // values after each row of a slice in workgroup memory
 
 const CELL_ROWS: u32 = TILE_ROWS / (SUBGROUPS / SUBGROUP_COLUMNS);
 const CELL_COLUMNS: u32 = TILE_COLUMNS / SUBGROUP_COLUMNS;
-const X_STRIDE: u32 = DEPTH + 8u;
-const W_STRIDE: u32 = TILE_COLUMNS + 8u;
+const X_STRIDE: u32 = DEPTH + PAD;
+const W_STRIDE: u32 = TILE_COLUMNS + PAD;
 
 // The slice of x: x_tile[m * X_STRIDE + k] = x[row m of the block, column k of the slice].
 var<workgroup> x_tile: array<f16, TILE_ROWS * X_STRIDE>;

@@ -63,8 +63,8 @@ pub const TILED_COLUMNS4: u32 = 32;
 /// TILED_WORKGROUP`.
 pub const TILED_DEPTH: u32 = 8;
 
-/// Invocations per workgroup of `linear_coop.wgsl`: [`COOP_WORKGROUP`] / the subgroup size
-/// subgroups, one cell of the block each.
+/// Invocations per workgroup of `linear_coop.wgsl`: as many subgroups as the device's
+/// subgroup size divides it into, one cell of the block each.
 pub const COOP_WORKGROUP: u32 = 256;
 
 /// Rows of a `linear_coop.wgsl` block.
@@ -79,6 +79,10 @@ pub const COOP_DEPTH: u32 = 32;
 
 /// The side of one cooperative matrix of `linear_coop.wgsl` (16 × 16 × 16 products).
 const MATRIX: u32 = 16;
+
+/// Values each row of `linear_coop.wgsl`'s slices in workgroup memory is padded by: 16 bytes of
+/// f16, which keeps a matrix's rows off one bank and every cooperative load 16-byte aligned.
+const COOP_PAD: u32 = 8;
 
 // `{{ loads }}` serves both slices, which are equally large, and every thread loads as many
 // `vec4`s of each.
@@ -341,8 +345,8 @@ impl CoopLayout {
     /// Bytes of workgroup memory the kernel declares: the two padded f16 slices and one
     /// 16 × 16 f32 staging matrix per subgroup.
     fn workgroup_bytes(self) -> u32 {
-        let x_tile = COOP_ROWS * (COOP_DEPTH + 8) * 2;
-        let w_tile = COOP_DEPTH * (COOP_COLUMNS + 8) * 2;
+        let x_tile = COOP_ROWS * (COOP_DEPTH + COOP_PAD) * 2;
+        let w_tile = COOP_DEPTH * (COOP_COLUMNS + COOP_PAD) * 2;
         x_tile + w_tile + self.subgroups * MATRIX * MATRIX * 4
     }
 }
@@ -625,6 +629,7 @@ fn coop_template(subgroup: u32) -> SourceTemplate {
         .register("tile_rows", COOP_ROWS.to_string())
         .register("tile_columns", COOP_COLUMNS.to_string())
         .register("depth", COOP_DEPTH.to_string())
+        .register("pad", COOP_PAD.to_string())
         .register(
             "loads",
             (COOP_ROWS * COOP_DEPTH / 4 / COOP_WORKGROUP).to_string(),
