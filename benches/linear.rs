@@ -42,11 +42,10 @@ fn linears(c: &mut Criterion) {
     };
     eprintln!("gpu: {}", gpu.description);
     let d = &gpu.device;
-    let mut runs = vec![(Precision::F32, LinearKernel::Burn)];
-    runs.extend([LinearKernel::Wgsl, LinearKernel::Tiled].map(|k| (Precision::F32, k)));
+    let kernels = [LinearKernel::Burn, LinearKernel::Wgsl, LinearKernel::Tiled];
+    let mut runs = kernels.map(|k| (Precision::F32, k)).to_vec();
     if gpu.supports(Precision::F16) {
-        let ours = [LinearKernel::Burn, LinearKernel::Wgsl, LinearKernel::Tiled];
-        runs.extend(ours.map(|k| (Precision::F16, k)));
+        runs.extend(kernels.map(|k| (Precision::F16, k)));
         if coop_subgroup(&gpu).is_some() {
             runs.push((Precision::F16, LinearKernel::Coop));
         }

@@ -76,6 +76,7 @@ fn f16_on_the_gpu_stays_close_to_peft_in_f32() {
         "{} has no SHADER_F16 (lavapipe has it)",
         gpu.description
     );
+    let expected = Expected::load();
     let mut kernels = vec![LinearKernel::Auto];
     if gemm::coop_subgroup(&gpu).is_some() {
         kernels.push(LinearKernel::Coop);
@@ -89,7 +90,6 @@ fn f16_on_the_gpu_stays_close_to_peft_in_f32() {
         let results = engine(&gpu, options)
             .encode(&fixture_requests(), true)
             .unwrap();
-        let expected = Expected::load();
         let mut worst_rel: f64 = 0.0;
         for result in &results {
             let tower = result.tower.as_ref().expect("asked for the tower");
