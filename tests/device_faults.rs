@@ -7,6 +7,7 @@ mod common;
 use common::{errors, fixture_dir};
 use mmlora::device::{self, RuntimeDevice};
 use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request};
+use mmlora::model::gemm::LinearKernel;
 use mmlora::preprocess::Patches;
 
 fn probe() -> Vec<Request> {
@@ -81,39 +82,49 @@ fn a_lost_device_is_a_typed_error_and_the_engine_is_rebuilt_on_a_new_one() {
     }
 }
 
+/// With the default linears, and with linears timed per shape: timing on the failed step's
+/// inputs must fail quietly, keep no pick and leave the failure to the step's read.
 #[test]
 fn a_step_over_the_device_buffer_limit_fails_alone() {
-    let Some(gpu) = new_gpu() else {
-        return;
-    };
-    let limit = gpu.buffer_limit.unwrap();
-    // Hide the device's limit from the engine, so it plans a step the device cannot hold.
-    let blind = RuntimeDevice {
-        buffer_limit: None,
-        ..gpu
-    };
-    let options = EngineOptions {
-        max_step_rows: usize::MAX,
-        ..EngineOptions::default()
-    };
-    let mut engine = engine(blind, options);
-    let before = embeds(&mut engine);
-    // Images of 2×128 patches, enough of them that the step's patches alone exceed the limit.
-    let (rows, patch_len) = (256, 1176);
-    let images = (limit / (4 * (rows * patch_len) as u64)) as usize + 1;
-    let requests: Vec<Request> = (0..images)
-        .map(|i| Request {
-            id: format!("strip{i}"),
-            image: ImageSource::Patches(Patches {
-                pixel_values: vec![0.5; rows * patch_len],
-                grid_thw: [1, 2, 128],
-            }),
-            // With an adapter, so the failed step's LoRA kernels are refused too: the weights
-            // they were only to read (the model's, the adapter's) must stay usable.
-            adapter: Some("all-r4".to_owned()),
-        })
-        .collect();
-    let error = engine.encode(&requests, false).unwrap_err();
-    assert!(matches!(error, EngineError::Execution(_)), "{error}");
-    assert_eq!(embeds(&mut engine), before);
+    for linear_kernel in [LinearKernel::Auto, LinearKernel::Timed] {
+        let Some(gpu) = new_gpu() else {
+            return;
+        };
+        let limit = gpu.buffer_limit.unwrap();
+        // Hide the device's limit from the engine, so it plans a step the device cannot hold.
+        let blind = RuntimeDevice {
+            buffer_limit: None,
+            ..gpu
+        };
+        let options = EngineOptions {
+            max_step_rows: usize::MAX,
+            linear_kernel,
+            ..EngineOptions::default()
+        };
+        let mut engine = engine(blind, options);
+        let before = embeds(&mut engine);
+        // Images of 2×128 patches, enough of them that the step's patches alone exceed the
+        // limit.
+        let (rows, patch_len) = (256, 1176);
+        let images = (limit / (4 * (rows * patch_len) as u64)) as usize + 1;
+        let requests: Vec<Request> = (0..images)
+            .map(|i| Request {
+                id: format!("strip{i}"),
+                image: ImageSource::Patches(Patches {
+                    pixel_values: vec![0.5; rows * patch_len],
+                    grid_thw: [1, 2, 128],
+                }),
+                // With an adapter, so the failed step's LoRA kernels are refused too: the
+                // weights they were only to read (the model's, the adapter's) must stay usable.
+                adapter: Some("all-r4".to_owned()),
+            })
+            .collect();
+        let error = engine.encode(&requests, false).unwrap_err();
+        let kernel = linear_kernel.name();
+        assert!(
+            matches!(error, EngineError::Execution(_)),
+            "{kernel}: {error}"
+        );
+        assert_eq!(embeds(&mut engine), before, "{kernel} linears");
+    }
 }

@@ -52,20 +52,28 @@ fn a_mixed_batch_from_image_files_matches_peft_on_cpu() {
     assert_matches_fixtures(&results, 1e-5, &cpu.description);
 }
 
+/// With the default linears, and with the kernels timed per shape.
 #[test]
 fn a_mixed_batch_from_image_files_matches_peft_on_wgpu() {
     let Some(gpu) = device::gpu_for_tests() else {
         return;
     };
-    let results = engine(&gpu, EngineOptions::default())
-        .encode(&fixture_requests(), true)
-        .unwrap();
-    // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4.
-    assert_matches_fixtures(&results, 1e-4, &gpu.description);
+    for linear_kernel in [LinearKernel::Auto, LinearKernel::Timed] {
+        let options = EngineOptions {
+            linear_kernel,
+            ..EngineOptions::default()
+        };
+        let results = engine(&gpu, options)
+            .encode(&fixture_requests(), true)
+            .unwrap();
+        // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4.
+        let on = format!("{}, {} linears", gpu.description, linear_kernel.name());
+        assert_matches_fixtures(&results, 1e-4, &on);
+    }
 }
 
-/// f16 against PEFT in f32, with the default linears and, where the device has cooperative
-/// matrices, with `coop`'s.
+/// f16 against PEFT in f32, with the default linears, the kernels timed per shape and, where
+/// the device has cooperative matrices, with `coop`'s.
 #[test]
 fn f16_on_the_gpu_stays_close_to_peft_in_f32() {
     let Some(gpu) = device::gpu_for_tests() else {
@@ -77,7 +85,7 @@ fn f16_on_the_gpu_stays_close_to_peft_in_f32() {
         gpu.description
     );
     let expected = Expected::load();
-    let mut kernels = vec![LinearKernel::Auto];
+    let mut kernels = vec![LinearKernel::Auto, LinearKernel::Timed];
     if gemm::coop_subgroup(&gpu).is_some() {
         kernels.push(LinearKernel::Coop);
     }

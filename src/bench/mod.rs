@@ -84,8 +84,8 @@ pub struct BenchSpec {
     pub repeats: usize,
     /// The float type the model computes in.
     pub precision: Precision,
-    /// The linear layers' kernel. With `Auto` the base also runs with the device's other
-    /// [`LinearKernel::candidates`], to compare them in one run.
+    /// The linear layers' kernel. With `Auto` the base also runs with each of the device's
+    /// [`LinearKernel::candidates`] that `Auto` does not resolve to, to compare them in one run.
     pub linear_kernel: LinearKernel,
     /// The LoRA shrink shader on a GPU.
     pub lora_shrink: ShrinkKernel,
@@ -171,7 +171,8 @@ pub fn run(
         configurations.extend(spec.adapters.iter().map(|&k| (k, rank, kernel)));
     }
     if spec.linear_kernel == LinearKernel::Auto {
-        let others = LinearKernel::candidates(device).iter().skip(1);
+        let others = LinearKernel::candidates(device, spec.precision.dtype());
+        let others = others.iter().filter(|&&other| other != kernel);
         configurations.extend(others.map(|&other| (0, 0, other)));
     }
     let mut runs = Vec::with_capacity(configurations.len());

@@ -12,7 +12,8 @@ use serde::Serialize;
 use crate::device::{Precision, RuntimeDevice};
 use crate::lora::meta::KernelMeta;
 use crate::lora::ops::{LoraBatch, LoraSlice, ShrinkKernel, lora_apply};
-use crate::model::gemm::{LinearKernel, linear};
+use crate::model::gemm::LinearKernel;
+use crate::model::linear_choice::LinearChoice;
 use crate::model::qwen2_vl::{DEFAULT_BUFFER_LIMIT, VisionConfig};
 
 /// One op problem: `rows × in_features → out_features`, `adapters` adapters of `rank`.
@@ -55,6 +56,8 @@ impl OpShape {
 /// Random inputs of one shape on one device.
 pub struct OpInputs {
     shape: OpShape,
+    /// What computes the base linear.
+    linear: LinearChoice,
     x: Tensor<2>,
     weight_t: Tensor<2>,
     bias: Tensor<1>,
@@ -90,6 +93,7 @@ impl OpInputs {
                 linear_kernel: linear_kernel.resolve(on),
                 ..shape
             },
+            linear: LinearChoice::new(linear_kernel, on, dtype),
             x: Tensor::<2>::random([rows, in_features], Distribution::Uniform(-1.0, 1.0), d)
                 .cast(dtype),
             weight_t: Tensor::<2>::random(
@@ -125,12 +129,8 @@ impl OpInputs {
 
     /// The base linear `x · Wᵀ + b`.
     pub fn base(&self) -> Tensor<2> {
-        linear(
-            self.x.clone(),
-            &self.weight_t,
-            Some(&self.bias),
-            self.shape.linear_kernel,
-        )
+        self.linear
+            .linear(self.x.clone(), &self.weight_t, Some(&self.bias))
     }
 
     /// `base` plus each row's LoRA delta through the op.

@@ -49,7 +49,8 @@ pub struct EncodeArgs {
     #[arg(long, value_enum, default_value = "f32")]
     precision: Precision,
     /// The kernel of the linear layers' base products on a GPU (auto: ours for software GPUs
-    /// on one, Burn's on a hardware one; wgsl and tiled need a GPU device).
+    /// on one, the fastest per shape, timed, on a hardware one; wgsl and tiled need a GPU
+    /// device).
     #[arg(long, value_enum, default_value = "auto")]
     linear_kernel: LinearKernel,
     /// The LoRA shrink shader on a GPU (auto: registers on a software GPU, split on a hardware

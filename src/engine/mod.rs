@@ -34,6 +34,7 @@ use crate::mapping::{
     SpatialMergeCounts, set_active_mm_loras,
 };
 use crate::model::gemm::{self, LinearKernel};
+use crate::model::linear_choice::LinearChoice;
 use crate::model::qwen2_vl::{ModelError, Qwen2VlVision, VisionConfig};
 use crate::preprocess::{Patches, PreprocessConfig, PreprocessError, load_image, preprocess};
 use plan::{PlanItem, plan_steps};
@@ -291,7 +292,8 @@ impl Engine {
             model.set_buffer_limit(limit.min(model.buffer_limit()));
         }
         let mut model = model.cast(options.precision.dtype());
-        model.set_linear_kernel(options.linear_kernel.resolve(&device));
+        let dtype = options.precision.dtype();
+        model.set_linear_kernel(LinearChoice::new(options.linear_kernel, &device, dtype));
         Ok(Self {
             model,
             preprocess,

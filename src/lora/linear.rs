@@ -3,7 +3,8 @@
 use burn::tensor::{DType, Tensor};
 
 use super::ops::{LoraBatch, LoraOpError, LoraSlice, lora_apply};
-use crate::model::gemm::{LinearKernel, linear, materialize};
+use crate::model::gemm::{LinearKernel, materialize};
+use crate::model::linear_choice::LinearChoice;
 
 /// A base linear plus the adapters stacked in its slots (none until adapters are activated).
 #[derive(Debug, Clone)]
@@ -14,8 +15,8 @@ pub struct LoraLinear {
     bias: Option<Tensor<1>>,
     /// The stacked adapters, one slice covering the whole output (packed `qkv` included).
     lora: Option<LoraSlice>,
-    /// Which kernel computes `x·Wᵀ + b` (`Burn` until [`Self::set_kernel`]).
-    kernel: LinearKernel,
+    /// Which kernel computes `x·Wᵀ + b` (Burn's until [`Self::set_kernel`]).
+    kernel: LinearChoice,
 }
 
 impl LoraLinear {
@@ -26,7 +27,7 @@ impl LoraLinear {
             weight_t: materialize(weight.transpose()),
             bias,
             lora: None,
-            kernel: LinearKernel::Burn,
+            kernel: LinearChoice::Fixed(LinearKernel::Burn),
         }
     }
 
@@ -46,8 +47,8 @@ impl LoraLinear {
         }
     }
 
-    /// Computes `x·Wᵀ + b` with `kernel` (resolved: [`LinearKernel::resolve`]).
-    pub fn set_kernel(&mut self, kernel: LinearKernel) {
+    /// Computes `x·Wᵀ + b` with the kernel `kernel` picks.
+    pub fn set_kernel(&mut self, kernel: LinearChoice) {
         self.kernel = kernel;
     }
 
@@ -60,7 +61,9 @@ impl LoraLinear {
 
     /// The layer on `x` (`[rows, in]`), each row with the adapter of its slot in `batch`.
     pub fn forward(&self, x: Tensor<2>, batch: &LoraBatch) -> Result<Tensor<2>, LoraOpError> {
-        let y = linear(x.clone(), &self.weight_t, self.bias.as_ref(), self.kernel);
+        let y = self
+            .kernel
+            .linear(x.clone(), &self.weight_t, self.bias.as_ref());
         match &self.lora {
             Some(slice) => lora_apply(x, y, std::slice::from_ref(slice), batch),
             None => Ok(y),

@@ -1,8 +1,9 @@
 //! The linear layers' base product, `x · Wᵀ + b`, as a backend extension.
 //!
 //! [`linear`] computes it with the backend's own products ([`LinearBackend::linear_native`]: on
-//! the GPU Burn's matmul and add, [`composed`]), or with one of our two WGSL kernels
-//! ([`LinearShader`]), as [`LinearKernel`] says:
+//! the GPU Burn's matmul and add, [`composed`]), or with one of our three WGSL kernels
+//! ([`LinearShader`]), as [`LinearKernel`] says (which one a layer takes, fixed or timed per
+//! shape, is [`crate::model::linear_choice`]'s):
 //! - `shaders/linear.wgsl` is built for lavapipe (llvmpipe), where every load from a storage
 //!   buffer is a loop over the SIMD lanes and Burn's matmul reaches about 6 GMAC/s. Each thread
 //!   keeps [`ROWS`] rows × [`COLUMNS`] `vec4` columns of sums in registers, so a weight load
@@ -10,7 +11,7 @@
 //!   (BENCHMARKS.md).
 //! - `shaders/linear_tiled.wgsl` is built for hardware GPUs: 128 × 128 blocks staged through
 //!   workgroup memory, 8 × 8 sums per thread, the next slice's loads in flight during this
-//!   slice's products. It has not yet been timed on one (`tools/h200/run.sh` does).
+//!   slice's products. It has not yet been timed on one by hand (`tools/h200/run.sh` does).
 //! - `shaders/linear_coop.wgsl` is built for GPUs with cooperative matrices (tensor cores:
 //!   wgpu's experimental `EXPERIMENTAL_COOPERATIVE_MATRIX`, Vulkan's `VK_KHR_cooperative_matrix`),
 //!   in f16: 128 × 128 blocks staged through workgroup memory, each subgroup multiplying 16 × 16
@@ -91,12 +92,17 @@ const _: () = assert!(
 );
 
 /// Which kernel computes a linear layer's base product on a wgpu device.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, clap::ValueEnum)]
 pub enum LinearKernel {
-    /// The first of the device's [`LinearKernel::candidates`]: `wgsl` on a software rasterizer
-    /// (lavapipe), where it is measured faster; `burn` on a hardware GPU and on the CPU.
+    /// `wgsl` on a software rasterizer (lavapipe), where it is measured faster; `timed` on a
+    /// hardware GPU; `burn` on the CPU.
     #[default]
     Auto,
+    /// The fastest for each shape of the device's candidates (`burn` and `tiled` on a hardware
+    /// GPU, and `coop` in f16 where it runs; `wgsl` and `burn` on a software one), timed on the
+    /// device the first time a product of that shape runs, each output checked against Burn's
+    /// product in f32 first ([`LinearKernel::candidates`], [`crate::model::linear_choice`]).
+    Timed,
     /// Burn's matmul, then the bias added.
     Burn,
     /// `shaders/linear.wgsl` (sums in registers, for software rasterizers), where every width
@@ -107,7 +113,7 @@ pub enum LinearKernel {
     Tiled,
     /// `shaders/linear_coop.wgsl` (cooperative matrices: tensor cores) for f16 tensors, where
     /// every width is a multiple of 4 (else Burn's). Only for a device that offers them
-    /// ([`coop_subgroup`]): the engine refuses it elsewhere, where a launch would fail.
+    /// (`mmlora devices` says, from [`coop_subgroup`]): the engine refuses it elsewhere.
     Coop,
 }
 
@@ -184,6 +190,7 @@ impl LinearKernel {
     pub fn name(self) -> &'static str {
         match self {
             LinearKernel::Auto => "auto",
+            LinearKernel::Timed => "timed",
             LinearKernel::Burn => "burn",
             LinearKernel::Wgsl => "wgsl",
             LinearKernel::Tiled => "tiled",
@@ -191,22 +198,30 @@ impl LinearKernel {
         }
     }
 
-    /// The kernels worth comparing on `device`, the one `auto` takes first: on a software GPU
-    /// ours for it, then Burn's; on a hardware GPU Burn's, then our tiled one (unmeasured there
-    /// so far); on the CPU Burn's (Flex's matmul) alone.
-    pub fn candidates(device: &RuntimeDevice) -> &'static [LinearKernel] {
+    /// The kernels worth comparing on `device` for tensors of `dtype`, the ones `timed` times
+    /// (each list holds Burn's, the reference the others are checked against): on a software
+    /// GPU ours for it and Burn's; on a hardware GPU Burn's and our tiled one, and in f16 our
+    /// cooperative-matrix one where the device has them; on the CPU Burn's (Flex's matmul).
+    pub fn candidates(device: &RuntimeDevice, dtype: DType) -> &'static [LinearKernel] {
+        use LinearKernel::{Burn, Coop, Tiled, Wgsl};
         match (device.wgpu.is_some(), device.hardware_gpu) {
-            (true, false) => &[LinearKernel::Wgsl, LinearKernel::Burn],
-            (true, true) => &[LinearKernel::Burn, LinearKernel::Tiled],
-            (false, _) => &[LinearKernel::Burn],
+            (false, _) => &[Burn],
+            (true, false) => &[Wgsl, Burn],
+            (true, true) if dtype == DType::F16 && coop_subgroup(device).is_some() => {
+                &[Burn, Tiled, Coop]
+            }
+            (true, true) => &[Burn, Tiled],
         }
     }
 
-    /// The kernel `self` picks on `device`: never `Auto`.
+    /// The kernel `self` picks on `device`: never `Auto` (`Timed` stays a choice to make per
+    /// shape, [`crate::model::linear_choice::LinearChoice`]).
     pub fn resolve(self, device: &RuntimeDevice) -> Self {
-        match self {
-            LinearKernel::Auto => Self::candidates(device)[0],
-            chosen => chosen,
+        match (self, device.wgpu.is_some(), device.hardware_gpu) {
+            (LinearKernel::Auto, false, _) => LinearKernel::Burn,
+            (LinearKernel::Auto, true, false) => LinearKernel::Wgsl,
+            (LinearKernel::Auto, true, true) => LinearKernel::Timed,
+            (chosen, _, _) => chosen,
         }
     }
 
@@ -216,15 +231,15 @@ impl LinearKernel {
             LinearKernel::Wgsl => Some(LinearShader::Registers),
             LinearKernel::Tiled => Some(LinearShader::Tiled),
             LinearKernel::Coop => Some(LinearShader::Coop),
-            LinearKernel::Auto | LinearKernel::Burn => None,
+            LinearKernel::Auto | LinearKernel::Timed | LinearKernel::Burn => None,
         }
     }
 }
 
 /// `x · weight_t (+ bias)`: with our kernel where `kernel` names one, there is a bias, every
 /// width is a multiple of 4 (and `in` not 0), `x` is f16 for `Coop` and `x` is on a wgpu device
-/// (on Flex the extension is Burn's matmul and add); with Burn's matmul otherwise (`Auto`
-/// included: [`LinearKernel::resolve`] it first).
+/// (on Flex the extension is Burn's matmul and add); with Burn's matmul otherwise (`Auto` and
+/// `Timed` included: [`crate::model::linear_choice::LinearChoice`] picks for those).
 pub fn linear(
     x: Tensor<2>,
     weight_t: &Tensor<2>,
@@ -1157,20 +1172,26 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
     }
 
     #[test]
-    fn auto_takes_the_first_candidate() {
+    fn auto_and_the_candidates_follow_the_device() {
+        use LinearKernel::{Auto, Burn, Coop, Tiled, Timed, Wgsl};
         let cpu = device::cpu();
-        assert_eq!(LinearKernel::candidates(&cpu), &[LinearKernel::Burn]);
-        assert_eq!(LinearKernel::Auto.resolve(&cpu), LinearKernel::Burn);
-        assert_eq!(LinearKernel::Wgsl.resolve(&cpu), LinearKernel::Wgsl);
+        for dtype in [DType::F32, DType::F16] {
+            assert_eq!(LinearKernel::candidates(&cpu, dtype), &[Burn]);
+        }
+        assert_eq!(Auto.resolve(&cpu), Burn);
+        assert_eq!(Wgsl.resolve(&cpu), Wgsl);
         if let Some(gpu) = device::gpu_for_tests() {
-            let expected = if gpu.hardware_gpu {
-                [LinearKernel::Burn, LinearKernel::Tiled]
-            } else {
-                [LinearKernel::Wgsl, LinearKernel::Burn]
+            let coop = coop_subgroup(&gpu).is_some();
+            let (auto, f32s, f16s): (_, &[_], &[_]) = match (gpu.hardware_gpu, coop) {
+                (false, _) => (Wgsl, &[Wgsl, Burn], &[Wgsl, Burn]),
+                (true, false) => (Timed, &[Burn, Tiled], &[Burn, Tiled]),
+                (true, true) => (Timed, &[Burn, Tiled], &[Burn, Tiled, Coop]),
             };
-            assert_eq!(LinearKernel::candidates(&gpu), &expected);
-            assert_eq!(LinearKernel::Auto.resolve(&gpu), expected[0]);
-            assert_eq!(LinearKernel::Tiled.resolve(&gpu), LinearKernel::Tiled);
+            assert_eq!(LinearKernel::candidates(&gpu, DType::F32), f32s);
+            assert_eq!(LinearKernel::candidates(&gpu, DType::F16), f16s);
+            assert_eq!(Auto.resolve(&gpu), auto);
+            assert_eq!(Tiled.resolve(&gpu), Tiled);
+            assert_eq!(Timed.resolve(&gpu), Timed);
         }
     }
 

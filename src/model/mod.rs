@@ -4,6 +4,7 @@ pub mod activation;
 pub mod checkpoint;
 pub mod exp;
 pub mod gemm;
+pub mod linear_choice;
 pub mod qwen2_vl;
 pub mod rope;
 pub mod sdpa;

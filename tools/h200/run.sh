@@ -30,15 +30,15 @@ step() { echo "== $1" >&2; shift; timeout "$@"; echo "== exit $?" >&2; }
 } 2>&1 | tee "$OUT/checks.log"
 # Numbers: the issue's shapes (8 images of 448², 1–16 adapters, ranks 16 and 64; the op at
 # 256, 4096 and 8192 rows), the same in f16, Burn's matmul against our tiled linear kernel in
-# f32 and f16 (auto runs the base with both; ours is unmeasured on a hardware GPU, so it has
-# steps of its own), the f16 linears on cooperative matrices (coop: never run before, the
+# f32 and f16 (auto times them per shape, its picks logged at info, and runs the base with
+# each alone too), the f16 linears on cooperative matrices (coop: never run before, the
 # tensor cores), each linear alone in every kernel and precision (FLOP/s), the op with the
 # shrink shader built for software GPUs (auto takes the split one on a hardware GPU: compare
 # with bench 448's op lines), then how time and memory grow with images and adapters.
 step "bench 448" 300 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
     --adapters 1,2,4,8,16 --ranks 16,64 --op-rows 256,4096,8192 --linear-kernel burn \
     --plot "$OUT/h200-448.png" > "$OUT/bench-448.jsonl" 2> "$OUT/bench-448.log"
-step "linear kernels 448" 90 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
+step "linear kernels 448" 90 env RUST_LOG=mmlora=info /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
     --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto \
     > "$OUT/linear-448.jsonl" 2> "$OUT/linear-448.log"
 step "bench 448 f16" 120 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
@@ -52,7 +52,7 @@ step "linears alone 8192 rows" 100 env MMLORA_BENCH_ROWS=8192 /tmp/bin/linear_be
 step "lora shrink registers" 60 /tmp/bin/mmlora bench --device gpu --json --images 1 --side 448 \
     --adapters 8 --ranks 16,64 --op-rows 256,4096 --linear-kernel burn --lora-shrink registers \
     > "$OUT/shrink-registers.jsonl" 2> "$OUT/shrink-registers.log"
-step "linear kernels 448 f16" 90 /tmp/bin/mmlora bench --device gpu --json --images 8 \
+step "linear kernels 448 f16" 90 env RUST_LOG=mmlora=info /tmp/bin/mmlora bench --device gpu --json --images 8 \
     --side 448 --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto --precision f16 \
     > "$OUT/linear-448-f16.jsonl" 2> "$OUT/linear-448-f16.log"
 step "scale 448" 150 /tmp/bin/mmlora bench --device gpu --json --scale --side 448 \

@@ -16,7 +16,7 @@ use crate::lora::linear::LoraLinear;
 use crate::lora::ops::{LoraBatch, LoraOpError};
 use crate::model::activation::quick_gelu;
 use crate::model::checkpoint::{Checkpoint, CheckpointError};
-use crate::model::gemm::LinearKernel;
+use crate::model::linear_choice::LinearChoice;
 use crate::model::rope;
 pub use config::{ConfigError, LoraTarget, VisionConfig};
 
@@ -232,9 +232,8 @@ impl Qwen2VlVision {
         }
     }
 
-    /// Computes every linear's base product with `kernel` (resolved for the model's device:
-    /// [`LinearKernel::resolve`]).
-    pub fn set_linear_kernel(&mut self, kernel: LinearKernel) {
+    /// Computes every linear's base product with the kernel `kernel` picks.
+    pub fn set_linear_kernel(&mut self, kernel: LinearChoice) {
         for block in &mut self.blocks {
             for layer in [
                 &mut block.qkv,

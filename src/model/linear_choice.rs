@@ -1,0 +1,429 @@
+//! Which kernel computes each linear's base product: one named kernel, or the fastest of the
+//! device's candidates for each shape, timed on the device.
+//!
+//! [`LinearChoice::Timed`] (what `auto` takes on a hardware GPU, where no one kernel is the
+//! fastest on every GPU) decides the first time a product of a shape runs, on that product's
+//! own rows:
+//! 1. Burn's matmul computes the product in f32, the reference.
+//! 2. Each candidate runs once (its pipelines compiled, Burn's autotune run), and each but
+//!    Burn's has its output checked against the reference within the rounding bound a correct
+//!    kernel keeps to ([`Reference`]): a kernel that a device's shader compiler gets wrong is
+//!    never picked.
+//! 3. Each candidate that passed runs [`TIMED_RUNS`] more times, between device syncs; the
+//!    median time is its time, and the fastest is kept for the shape.
+//!
+//! The picks are kept for the process, per device, dtype and shape (rows rounded up to a power
+//! of two), as Burn keeps its autotune's. A device failure while timing keeps nothing: that
+//! product runs with Burn's matmul and the failure surfaces where the step reads its results.
+
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use burn::backend::{Device as _, DeviceId};
+use burn::tensor::{DType, Device, Tensor};
+
+use super::gemm::{LinearKernel, linear};
+use crate::device::RuntimeDevice;
+
+/// Timed runs per candidate, after the one that compiled it and checked its output.
+pub const TIMED_RUNS: usize = 3;
+
+/// How a layer's base product picks its kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinearChoice {
+    /// Always this kernel (never `Auto` or `Timed`).
+    Fixed(LinearKernel),
+    /// The fastest of these for each shape (Burn's among them: the reference).
+    Timed(&'static [LinearKernel]),
+}
+
+/// What timing one shape found for one candidate.
+#[derive(Debug, Clone, PartialEq)]
+struct Timing {
+    /// The candidate.
+    kernel: LinearKernel,
+    /// Its median time, or why it was not timed (its output was off the reference, or its
+    /// launch failed).
+    outcome: Result<Duration, String>,
+}
+
+/// A shape picks are kept for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct ShapeKey {
+    device: DeviceId,
+    dtype: DType,
+    /// Rows rounded up to a power of two.
+    rows: usize,
+    in_features: usize,
+    out_features: usize,
+    bias: bool,
+    candidates: &'static [LinearKernel],
+}
+
+/// The kernel picked for each shape timed so far in this process.
+static PICKS: LazyLock<Mutex<HashMap<ShapeKey, LinearKernel>>> = LazyLock::new(Mutex::default);
+
+impl LinearChoice {
+    /// What `kernel` means on `device` for tensors of `dtype`: `Timed` over the device's
+    /// [`LinearKernel::candidates`] (`Fixed` where there is one), any other kernel `Fixed`.
+    pub fn new(kernel: LinearKernel, device: &RuntimeDevice, dtype: DType) -> Self {
+        match kernel.resolve(device) {
+            LinearKernel::Timed => match LinearKernel::candidates(device, dtype) {
+                [only] => LinearChoice::Fixed(*only),
+                all => LinearChoice::Timed(all),
+            },
+            fixed => LinearChoice::Fixed(fixed),
+        }
+    }
+
+    /// `x · weight_t (+ bias)` ([`linear`]) with the kernel this choice picks for the shape,
+    /// timing the candidates first if it is a new one.
+    pub fn linear(
+        &self,
+        x: Tensor<2>,
+        weight_t: &Tensor<2>,
+        bias: Option<&Tensor<1>>,
+    ) -> Tensor<2> {
+        let kernel = match *self {
+            LinearChoice::Fixed(kernel) => kernel,
+            LinearChoice::Timed(candidates) => pick(candidates, &x, weight_t, bias).0,
+        };
+        linear(x, weight_t, bias, kernel)
+    }
+}
+
+/// The kernel for `x`'s shape among `candidates`, with the timings when this call made them
+/// (`None`: the pick was kept from an earlier call, or there were no rows to time on).
+fn pick(
+    candidates: &'static [LinearKernel],
+    x: &Tensor<2>,
+    weight_t: &Tensor<2>,
+    bias: Option<&Tensor<1>>,
+) -> (LinearKernel, Option<Vec<Timing>>) {
+    let [rows, in_features] = x.dims();
+    let [_, out_features] = weight_t.dims();
+    if rows == 0 {
+        return (LinearKernel::Burn, None);
+    }
+    let key = ShapeKey {
+        device: x.device().as_dispatch().to_id(),
+        dtype: x.dtype(),
+        rows: rows.next_power_of_two(),
+        in_features,
+        out_features,
+        bias: bias.is_some(),
+        candidates,
+    };
+    // Held while timing: two callers timing at once would slow each other's runs.
+    let mut picks = PICKS.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(&kernel) = picks.get(&key) {
+        return (kernel, None);
+    }
+    let timings = match time_candidates(candidates, x, weight_t, bias) {
+        Ok(Some(timings)) => timings,
+        Ok(None) => {
+            tracing::debug!(?key, "inputs not finite: Burn's matmul, nothing timed");
+            return (LinearKernel::Burn, None);
+        }
+        Err(error) => {
+            tracing::warn!(?key, %error, "the device failed while timing linear kernels");
+            return (LinearKernel::Burn, None);
+        }
+    };
+    let fastest = timings
+        .iter()
+        .filter_map(|t| t.outcome.as_ref().ok().map(|time| (time, t.kernel)))
+        .min_by_key(|&(time, _)| time)
+        .map_or(LinearKernel::Burn, |(_, kernel)| kernel);
+    let times: Vec<String> = timings
+        .iter()
+        .map(|timing| match &timing.outcome {
+            Ok(time) => format!(
+                "{} {:.3} ms",
+                timing.kernel.name(),
+                time.as_secs_f64() * 1e3
+            ),
+            Err(why) => {
+                tracing::warn!(rows, in_features, out_features, dtype = ?key.dtype,
+                    kernel = timing.kernel.name(), why, "a linear kernel left out");
+                format!("{} left out", timing.kernel.name())
+            }
+        })
+        .collect();
+    tracing::info!(rows, in_features, out_features, dtype = ?key.dtype,
+        picked = fastest.name(), times = times.join(", "), "linear kernels timed");
+    picks.insert(key, fastest);
+    (fastest, Some(timings))
+}
+
+/// Checks and times every candidate on these inputs (steps 1–3 of the module's doc); `None`
+/// where the inputs make no bound (an infinite or NaN value): nothing to check against.
+fn time_candidates(
+    candidates: &[LinearKernel],
+    x: &Tensor<2>,
+    weight_t: &Tensor<2>,
+    bias: Option<&Tensor<1>>,
+) -> Result<Option<Vec<Timing>>, String> {
+    let device = x.device();
+    let Some(reference) = Reference::new(x, weight_t, bias)? else {
+        return Ok(None);
+    };
+    let mut timings = Vec::with_capacity(candidates.len());
+    for &kernel in candidates {
+        // The first run compiles the kernel's pipelines (and runs Burn's autotune).
+        let output = linear(x.clone(), weight_t, bias, kernel);
+        let checked = match kernel {
+            // What runs where no other kernel is taken: nothing to check it against.
+            LinearKernel::Burn => Ok(()),
+            _ => match reference.disagreement(&output) {
+                Ok(ratio) if ratio <= 1.0 => Ok(()),
+                Ok(ratio) => Err(format!(
+                    "its output is off by {ratio:.3e} times the rounding bound"
+                )),
+                Err(error) => Err(format!("its launch failed: {error}")),
+            },
+        };
+        drop(output);
+        let outcome = match checked {
+            Ok(()) => Ok(median_time(&device, || {
+                linear(x.clone(), weight_t, bias, kernel)
+            })?),
+            Err(why) => Err(why),
+        };
+        timings.push(Timing { kernel, outcome });
+    }
+    Ok(Some(timings))
+}
+
+/// The median time of [`TIMED_RUNS`] runs of `run`, each between device syncs.
+fn median_time(device: &Device, run: impl Fn() -> Tensor<2>) -> Result<Duration, String> {
+    let sync = || device.sync().map_err(|e| e.to_string());
+    sync()?;
+    let mut times = Vec::with_capacity(TIMED_RUNS);
+    for _ in 0..TIMED_RUNS {
+        let started = Instant::now();
+        // Kept until the sync, so the work behind it cannot be dropped unrun.
+        let output = run();
+        sync()?;
+        times.push(started.elapsed());
+        drop(output);
+    }
+    times.sort();
+    Ok(times[TIMED_RUNS / 2])
+}
+
+/// What a candidate's output is checked against: the product in f32 by Burn's matmul (of the
+/// inputs as they are, f16 values being exact in f32), and a bound on how far a correct
+/// kernel's output may be from it.
+struct Reference {
+    /// `x · Wᵀ + b` in f32.
+    product: Tensor<2>,
+    /// Per element, twice the worst-case error of an f32 sum of its `in + 1` terms, `γ(in + 1)
+    /// · (|x|·|Wᵀ| + |b|)` with `γ(n) = n·u / (1 − n·u)` (Higham, Accuracy and Stability of
+    /// Numerical Algorithms, §3.1), at `u = 2⁻²³` rather than `2⁻²⁴` since tensor cores may
+    /// truncate their sums: the reference's error plus the candidate's, in any order of
+    /// summation.
+    bound: Tensor<2>,
+}
+
+impl Reference {
+    /// The reference for these inputs; `None` where the bound is not finite.
+    fn new(
+        x: &Tensor<2>,
+        weight_t: &Tensor<2>,
+        bias: Option<&Tensor<1>>,
+    ) -> Result<Option<Self>, String> {
+        let [_, in_features] = x.dims();
+        let f32s = |t: &Tensor<2>| t.clone().cast(DType::F32);
+        let bias = bias.map(|b| b.clone().cast(DType::F32));
+        let product = linear(f32s(x), &f32s(weight_t), bias.as_ref(), LinearKernel::Burn);
+        let magnitudes = f32s(x).abs().matmul(f32s(weight_t).abs());
+        let magnitudes = match bias {
+            Some(bias) => magnitudes + bias.abs().unsqueeze_dim(0),
+            None => magnitudes,
+        };
+        if !read(magnitudes.clone().sum())?.is_finite() {
+            return Ok(None);
+        }
+        let nu = (in_features + 1) as f64 * f64::from(f32::EPSILON);
+        let gamma = nu / (1.0 - nu);
+        Ok(Some(Self {
+            product,
+            bound: magnitudes * (2.0 * gamma),
+        }))
+    }
+
+    /// The largest `|output − product| / allowed` over the elements, `allowed` the bound plus
+    /// the rounding of `output` to its dtype (f16's `2⁻¹¹`, taken of `|output| + |product|`):
+    /// at most 1 for a correct kernel. NaN (not `≤ 1`) where `output` has a NaN.
+    fn disagreement(&self, output: &Tensor<2>) -> Result<f32, String> {
+        let unit_roundoff = match output.dtype() {
+            DType::F16 => f32::powi(2.0, -11),
+            _ => f32::EPSILON / 2.0,
+        };
+        let output = output.clone().cast(DType::F32);
+        let rounding = (output.clone().abs() + self.product.clone().abs()) * unit_roundoff;
+        let allowed = self.bound.clone() + rounding + f32::MIN_POSITIVE;
+        let ratio = (output - self.product.clone()).abs() / allowed;
+        // Read apart from the largest, which a reduction may take skipping NaNs.
+        let worst = read(ratio.clone().max())?;
+        let nan = read(ratio.is_nan().any().float())? > 0.0;
+        Ok(if nan { f32::NAN } else { worst })
+    }
+}
+
+/// The one value of `tensor`, or the device's error reading it.
+fn read(tensor: Tensor<1>) -> Result<f32, String> {
+    tensor.try_into_scalar::<f32>().map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Distribution, s};
+
+    use super::*;
+    use crate::device;
+
+    /// The CPU backend and, where wgpu finds one, the GPU.
+    fn devices() -> Vec<RuntimeDevice> {
+        [Some(device::cpu()), device::gpu_for_tests()]
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    /// `x` `[rows, in]`, `Wᵀ` `[in, out]` and `b`, uniform in ±1, on `device` in f32.
+    fn random(
+        rows: usize,
+        in_features: usize,
+        out_features: usize,
+        device: &Device,
+    ) -> (Tensor<2>, Tensor<2>, Tensor<1>) {
+        let uniform = Distribution::Uniform(-1.0, 1.0);
+        (
+            Tensor::random([rows, in_features], uniform, device),
+            Tensor::random([in_features, out_features], uniform, device),
+            Tensor::random([out_features], uniform, device),
+        )
+    }
+
+    #[test]
+    fn the_check_passes_a_correct_product_and_fails_a_wrong_one() {
+        for on in devices() {
+            let (x, weight_t, bias) = random(37, 96, 40, &on.device);
+            let reference = Reference::new(&x, &weight_t, Some(&bias)).unwrap().unwrap();
+            let check = |output: Tensor<2>| reference.disagreement(&output).unwrap();
+
+            // The same product summed in another order: the halves of `in` apart.
+            let half = |range: std::ops::Range<usize>| {
+                x.clone()
+                    .slice(s![.., range.clone()])
+                    .matmul(weight_t.clone().slice(s![range, ..]))
+            };
+            let reordered = half(48..96) + (half(0..48) + bias.clone().unsqueeze_dim(0));
+            let ratio = check(reordered);
+            assert!(
+                ratio <= 1.0,
+                "{}: reordered sums at {ratio}",
+                on.description
+            );
+
+            // A kernel that drops the last 4 columns of `x`: off by about 2/3 an element,
+            // where the bound is about 6e-4.
+            let dropped = x
+                .clone()
+                .slice_assign(s![.., 92..], Tensor::zeros([37, 4], &on.device));
+            let ratio = check(linear(dropped, &weight_t, Some(&bias), LinearKernel::Burn));
+            assert!(
+                ratio > 100.0,
+                "{}: a dropped slice at {ratio}",
+                on.description
+            );
+
+            let with_nan = linear(x.clone(), &weight_t, Some(&bias), LinearKernel::Burn)
+                .slice_assign(s![5..6, 7..8], Tensor::full([1, 1], f32::NAN, &on.device));
+            let ratio = check(with_nan);
+            assert!(ratio.is_nan(), "{}: a NaN at {ratio}", on.description);
+
+            let infinite = x.clone().slice_assign(
+                s![0..1, 0..1],
+                Tensor::full([1, 1], f32::INFINITY, &on.device),
+            );
+            assert!(
+                Reference::new(&infinite, &weight_t, Some(&bias))
+                    .unwrap()
+                    .is_none()
+            );
+        }
+    }
+
+    /// Every kernel that may be timed, whichever the device offers.
+    const ALL: &[LinearKernel] = &[LinearKernel::Burn, LinearKernel::Wgsl, LinearKernel::Tiled];
+
+    #[test]
+    fn timing_picks_the_fastest_once_per_shape() {
+        for on in devices() {
+            let mut dtypes = vec![DType::F32];
+            if on.supports(crate::device::Precision::F16) {
+                dtypes.push(DType::F16);
+            }
+            for dtype in dtypes {
+                let what = format!("{} in {dtype:?}", on.description);
+                let (x, weight_t, bias) = random(300, 96, 160, &on.device);
+                let (x, weight_t, bias) = (x.cast(dtype), weight_t.cast(dtype), bias.cast(dtype));
+                let (picked, timings) = pick(ALL, &x, &weight_t, Some(&bias));
+                let timings = timings.expect("a new shape is timed");
+                let kernels: Vec<_> = timings.iter().map(|t| t.kernel).collect();
+                assert_eq!(kernels, ALL, "{what}");
+                let times: Vec<Duration> = timings
+                    .iter()
+                    .map(|t| {
+                        t.outcome
+                            .clone()
+                            .unwrap_or_else(|why| panic!("{what}: {why}"))
+                    })
+                    .collect();
+                let fastest = (0..ALL.len()).min_by_key(|&i| times[i]).unwrap();
+                assert_eq!(picked, ALL[fastest], "{what}: {times:?}");
+
+                // 400 rows round up to 512 as 300 do: the same shape, not timed again.
+                let more =
+                    Tensor::<2>::random([400, 96], Distribution::Default, &on.device).cast(dtype);
+                assert_eq!(
+                    pick(ALL, &more, &weight_t, Some(&bias)),
+                    (picked, None),
+                    "{what}"
+                );
+                // The choice computes with the kernel it picked.
+                let chosen = LinearChoice::Timed(ALL).linear(more.clone(), &weight_t, Some(&bias));
+                let direct = linear(more, &weight_t, Some(&bias), picked);
+                chosen.into_data().assert_eq(&direct.into_data(), true);
+            }
+        }
+    }
+
+    #[test]
+    fn a_choice_times_only_where_there_is_a_choice() {
+        let cpu = device::cpu();
+        let timed = LinearChoice::new(LinearKernel::Timed, &cpu, DType::F32);
+        assert_eq!(timed, LinearChoice::Fixed(LinearKernel::Burn));
+        assert_eq!(
+            LinearChoice::new(LinearKernel::Auto, &cpu, DType::F32),
+            LinearChoice::Fixed(LinearKernel::Burn)
+        );
+        if let Some(gpu) = device::gpu_for_tests() {
+            for dtype in [DType::F32, DType::F16] {
+                let candidates = LinearKernel::candidates(&gpu, dtype);
+                assert_eq!(
+                    LinearChoice::new(LinearKernel::Timed, &gpu, dtype),
+                    LinearChoice::Timed(candidates)
+                );
+                assert_eq!(
+                    LinearChoice::new(LinearKernel::Tiled, &gpu, dtype),
+                    LinearChoice::Fixed(LinearKernel::Tiled)
+                );
+            }
+        }
+    }
+}
