@@ -13,8 +13,9 @@
 //!    median time is its time, and the fastest is kept for the shape.
 //!
 //! The picks are kept for the process, per device, dtype and shape (rows rounded up to a power
-//! of two), as Burn keeps its autotune's. A device failure while timing keeps nothing: that
-//! product runs with Burn's matmul and the failure surfaces where the step reads its results.
+//! of two), as Burn keeps its autotune's. A device failure while timing keeps nothing (until
+//! the [`TIMING_TRIES`]th, which keeps Burn's matmul): that product runs with Burn's matmul,
+//! and the failure surfaces where the step reads its results.
 
 use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex, PoisonError};
@@ -61,8 +62,20 @@ struct ShapeKey {
     candidates: &'static [LinearKernel],
 }
 
-/// The kernel picked for each shape timed so far in this process.
-static PICKS: LazyLock<Mutex<HashMap<ShapeKey, LinearKernel>>> = LazyLock::new(Mutex::default);
+/// Failed timings of one shape after which its product keeps Burn's matmul: a device that
+/// cannot hold the f32 reference beside a step fails each try, and would pay for one each call.
+pub const TIMING_TRIES: usize = 2;
+
+/// What this process found of each shape so far.
+#[derive(Debug, Default)]
+struct Picks {
+    /// The kernel kept for each shape.
+    kept: HashMap<ShapeKey, LinearKernel>,
+    /// How often each shape's timing failed (below [`TIMING_TRIES`]).
+    failed: HashMap<ShapeKey, usize>,
+}
+
+static PICKS: LazyLock<Mutex<Picks>> = LazyLock::new(Mutex::default);
 
 impl LinearChoice {
     /// What `kernel` means on `device` for tensors of `dtype`: `Timed` over the device's
@@ -117,7 +130,7 @@ fn pick(
     };
     // Held while timing: two callers timing at once would slow each other's runs.
     let mut picks = PICKS.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(&kernel) = picks.get(&key) {
+    if let Some(&kernel) = picks.kept.get(&key) {
         return (kernel, None);
     }
     let timings = match time_candidates(candidates, x, weight_t, bias) {
@@ -127,7 +140,14 @@ fn pick(
             return (LinearKernel::Burn, None);
         }
         Err(error) => {
-            tracing::warn!(?key, %error, "the device failed while timing linear kernels");
+            let failed = picks.failed.entry(key.clone()).or_default();
+            *failed += 1;
+            let keeps_burn = *failed >= TIMING_TRIES;
+            tracing::warn!(?key, %error, keeps_burn, "the device failed while timing linear kernels");
+            if keeps_burn {
+                picks.failed.remove(&key);
+                picks.kept.insert(key, LinearKernel::Burn);
+            }
             return (LinearKernel::Burn, None);
         }
     };
@@ -153,7 +173,8 @@ fn pick(
         .collect();
     tracing::info!(rows, in_features, out_features, dtype = ?key.dtype,
         picked = fastest.name(), times = times.join(", "), "linear kernels timed");
-    picks.insert(key, fastest);
+    picks.failed.remove(&key);
+    picks.kept.insert(key, fastest);
     (fastest, Some(timings))
 }
 
@@ -400,6 +421,44 @@ mod tests {
                 let direct = linear(more, &weight_t, Some(&bias), picked);
                 chosen.into_data().assert_eq(&direct.into_data(), true);
             }
+        }
+    }
+
+    /// Inputs over the device's buffer limit fail every timing: Burn's matmul is kept for the
+    /// shape at the last try, and nothing is timed after it.
+    #[test]
+    fn a_shape_whose_timing_keeps_failing_keeps_burns_matmul() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        let limit = gpu.buffer_limit.unwrap();
+        let (in_features, out_features) = (4, 8);
+        let rows = usize::try_from(limit).unwrap() / (4 * in_features) + 1;
+        let x = Tensor::<2>::zeros([rows, in_features], &gpu.device);
+        let (_, weight_t, bias) = random(1, in_features, out_features, &gpu.device);
+        // What the process holds of this shape: its failed tries, its kept kernel.
+        let this = |key: &ShapeKey| key.rows == rows.next_power_of_two() && key.in_features == 4;
+        let held = |picks: &Picks| {
+            let failed = picks.failed.iter().find(|(k, _)| this(k)).map(|(_, &n)| n);
+            let kept = picks
+                .kept
+                .iter()
+                .find(|(k, _)| this(k))
+                .map(|(_, &kernel)| kernel);
+            (failed.unwrap_or(0), kept)
+        };
+        for tries in 1..=TIMING_TRIES {
+            assert_eq!(
+                pick(ALL, &x, &weight_t, Some(&bias)),
+                (LinearKernel::Burn, None)
+            );
+            let picks = PICKS.lock().unwrap();
+            let expected = if tries < TIMING_TRIES {
+                (tries, None)
+            } else {
+                (0, Some(LinearKernel::Burn))
+            };
+            assert_eq!(held(&picks), expected, "after {tries} tries");
         }
     }
 
