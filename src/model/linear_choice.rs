@@ -107,7 +107,8 @@ impl LinearChoice {
 }
 
 /// The kernel for `x`'s shape among `candidates`, with the timings when this call made them
-/// (`None`: the pick was kept from an earlier call, or there were no rows to time on).
+/// (`None`: the pick was kept from an earlier call, there were no rows to time on, the inputs
+/// were not finite or the timing failed; Burn's matmul for the last three).
 fn pick(
     candidates: &'static [LinearKernel],
     x: &Tensor<2>,
