@@ -83,7 +83,7 @@ fn a_lost_device_is_a_typed_error_and_the_engine_is_rebuilt_on_a_new_one() {
 }
 
 /// With the default linears, and with linears timed per shape: timing on the failed step's
-/// inputs must fail quietly, keep no pick and leave the failure to the step's read.
+/// inputs must fail quietly and leave the failure to the step's read.
 #[test]
 fn a_step_over_the_device_buffer_limit_fails_alone() {
     for linear_kernel in [LinearKernel::Auto, LinearKernel::Timed] {

@@ -291,8 +291,8 @@ impl Engine {
         if let Some(limit) = device.buffer_limit {
             model.set_buffer_limit(limit.min(model.buffer_limit()));
         }
-        let mut model = model.cast(options.precision.dtype());
         let dtype = options.precision.dtype();
+        let mut model = model.cast(dtype);
         model.set_linear_kernel(LinearChoice::new(options.linear_kernel, &device, dtype));
         Ok(Self {
             model,

@@ -257,10 +257,11 @@ impl Reference {
         bias: Option<&Tensor<1>>,
     ) -> Result<Option<Self>, String> {
         let [_, in_features] = x.dims();
-        let f32s = |t: &Tensor<2>| t.clone().cast(DType::F32);
+        let x = x.clone().cast(DType::F32);
+        let weight_t = weight_t.clone().cast(DType::F32);
         let bias = bias.map(|b| b.clone().cast(DType::F32));
-        let product = linear(f32s(x), &f32s(weight_t), bias.as_ref(), LinearKernel::Burn);
-        let magnitudes = f32s(x).abs().matmul(f32s(weight_t).abs());
+        let product = linear(x.clone(), &weight_t, bias.as_ref(), LinearKernel::Burn);
+        let magnitudes = x.abs().matmul(weight_t.abs());
         let magnitudes = match bias {
             Some(bias) => magnitudes + bias.abs().unsqueeze_dim(0),
             None => magnitudes,
