@@ -403,3 +403,55 @@ fn bench_prints_one_json_object_per_configuration() {
         text(&out.stderr)
     );
 }
+
+#[test]
+fn bench_stages_prints_each_configurations_profile() {
+    let args = [
+        "bench",
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--images",
+        "2",
+        "--side",
+        "56",
+        "--adapters",
+        "1,2",
+        "--ranks",
+        "4",
+        "--repeats",
+        "1",
+        "--stages",
+    ];
+    let stdout = assert_success(&mmlora(&[&args[..], &["--json"]].concat()));
+    let profiles: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect();
+    let configurations: Vec<(u64, u64)> = profiles
+        .iter()
+        .map(|p| (p["adapters"].as_u64().unwrap(), p["rank"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(
+        configurations,
+        [(0, 0), (2, 4)],
+        "the base and the most mixed"
+    );
+    for profile in &profiles {
+        assert_eq!(profile["kind"], "stages");
+        assert!(profile["plain_ms"].as_f64().unwrap() > 0.0, "{profile}");
+        let stages = profile["stages"].as_array().unwrap();
+        let fc1 = stages.iter().find(|s| s["stage"] == "fc1").unwrap();
+        assert_eq!(fc1["marks"], 2, "one fc1 per block: {fc1}");
+        assert!(fc1["tflop_per_s"].as_f64().unwrap() > 0.0, "{fc1}");
+    }
+
+    let table = assert_success(&mmlora(&args));
+    assert!(
+        table.contains("TFLOP/s") && table.contains("lora_op"),
+        "{table}"
+    );
+    let out = mmlora(&[&args[..], &["--scale"]].concat());
+    assert!(!out.status.success(), "--stages and --scale are two runs");
+}

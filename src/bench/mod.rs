@@ -11,6 +11,7 @@
 pub mod op;
 pub mod plot;
 pub mod scale;
+pub mod stages;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -1,10 +1,12 @@
-//! `mmlora bench`: throughput with K distinct adapters mixed in one batch against the base, or
-//! (`--scale`) how time and memory grow with images and adapters.
+//! `mmlora bench`: throughput with K distinct adapters mixed in one batch against the base,
+//! (`--scale`) how time and memory grow with images and adapters, or (`--stages`) where a
+//! batch's time goes.
 
 use std::path::PathBuf;
 
 use mmlora::bench::op::OpShape;
 use mmlora::bench::scale::{self, ScaleSpec};
+use mmlora::bench::stages;
 use mmlora::bench::{self, BenchSpec, Preset};
 use mmlora::device::{self, DeviceChoice, Precision, RuntimeDevice};
 use mmlora::lora::ops::ShrinkKernel;
@@ -81,6 +83,12 @@ pub struct BenchArgs {
     /// GPU slots in the --scale adapter sweep.
     #[arg(long, default_value_t = ScaleSpec::default().slots)]
     slots: usize,
+    /// Instead of the throughput set, time each stage of the forward pass (norms, each linear,
+    /// attention, the LoRA op…) at the base and with the most --adapters mixed at the first of
+    /// --ranks, with the products' TFLOP/s; the device is waited for after every stage, so
+    /// plain passes run beside them for comparison.
+    #[arg(long, conflicts_with_all = ["plot", "op_rows", "no_op", "scale"])]
+    stages: bool,
 }
 
 /// Runs `mmlora bench`.
@@ -125,6 +133,9 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         linear_kernel: args.linear_kernel,
         lora_shrink: args.lora_shrink,
     };
+    if args.stages {
+        return run_stages(&spec, &runtime, kind, args.json);
+    }
     let records = bench::run(&spec, &runtime, kind, |configuration| {
         eprintln!("{configuration}…");
     })?;
@@ -200,6 +211,52 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
     if let Some(path) = &args.plot {
         bench::plot::throughput_png(&records, path)?;
         eprintln!("plot: {}", path.display());
+    }
+    Ok(())
+}
+
+/// Runs `mmlora bench --stages`.
+fn run_stages(
+    spec: &BenchSpec,
+    runtime: &RuntimeDevice,
+    kind: &str,
+    json: bool,
+) -> Result<(), CliError> {
+    let profiles = stages::run(spec, runtime, kind, |step| eprintln!("{step}…"))?;
+    for profile in &profiles {
+        if json {
+            println!(
+                "{}",
+                serde_json::to_string(profile).expect("records serialise")
+            );
+            continue;
+        }
+        println!(
+            "\n{} adapters of rank {}, {} linears: plain pass {:.1} ms, clocked {:.1} ms",
+            profile.adapters,
+            profile.rank,
+            profile.linear_kernel,
+            profile.plain_ms,
+            profile.clocked_ms
+        );
+        println!(
+            "{:>12} {:>6} {:>10} {:>7} {:>9} {:>9}",
+            "stage", "marks", "median ms", "share", "GFLOP", "TFLOP/s"
+        );
+        let or_dash = |value: Option<f64>, digits: usize| {
+            value.map_or("-".to_owned(), |v| format!("{v:.digits$}"))
+        };
+        for line in &profile.stages {
+            println!(
+                "{:>12} {:>6} {:>10.2} {:>6.1}% {:>9} {:>9}",
+                line.stage,
+                line.marks,
+                line.median_ms,
+                line.share * 100.0,
+                or_dash(line.gflop, 1),
+                or_dash(line.tflop_per_s, 3)
+            );
+        }
     }
     Ok(())
 }

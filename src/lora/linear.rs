@@ -59,15 +59,29 @@ impl LoraLinear {
         self.lora = lora.map(|slice| cast_slice(slice, dtype));
     }
 
-    /// The layer on `x` (`[rows, in]`), each row with the adapter of its slot in `batch`.
-    pub fn forward(&self, x: Tensor<2>, batch: &LoraBatch) -> Result<Tensor<2>, LoraOpError> {
-        let y = self
-            .kernel
-            .linear(x.clone(), &self.weight_t, self.bias.as_ref());
+    /// The base product on `x` (`[rows, in]`), `x·Wᵀ + b`; [`Self::add_lora`] adds the
+    /// adapters' deltas (two calls, so a profile can time them apart).
+    pub fn base(&self, x: Tensor<2>) -> Tensor<2> {
+        self.kernel.linear(x, &self.weight_t, self.bias.as_ref())
+    }
+
+    /// `y`, the base product of `x`, with each row's delta of the adapter of its slot in
+    /// `batch` added, where adapters are installed.
+    pub fn add_lora(
+        &self,
+        x: Tensor<2>,
+        y: Tensor<2>,
+        batch: &LoraBatch,
+    ) -> Result<Tensor<2>, LoraOpError> {
         match &self.lora {
             Some(slice) => lora_apply(x, y, std::slice::from_ref(slice), batch),
             None => Ok(y),
         }
+    }
+
+    /// Whether adapter weights are installed.
+    pub fn has_lora(&self) -> bool {
+        self.lora.is_some()
     }
 }
 

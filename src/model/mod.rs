@@ -8,3 +8,4 @@ pub mod linear_choice;
 pub mod qwen2_vl;
 pub mod rope;
 pub mod sdpa;
+pub mod stages;

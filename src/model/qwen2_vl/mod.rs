@@ -18,6 +18,7 @@ use crate::model::activation::quick_gelu;
 use crate::model::checkpoint::{Checkpoint, CheckpointError};
 use crate::model::linear_choice::LinearChoice;
 use crate::model::rope;
+use crate::model::stages::{Stage, StageClock};
 pub use config::{ConfigError, LoraTarget, VisionConfig};
 
 /// LayerNorm epsilon of every norm in the tower and merger.
@@ -108,6 +109,8 @@ pub struct Qwen2VlVision {
     buffer_limit: u64,
     /// The dtype the weights and activations are in (f32, or f16 on a GPU that has it).
     dtype: DType,
+    /// Where the forward pass marks its stages (detached unless a benchmark attaches one).
+    stages: StageClock,
 }
 
 impl Qwen2VlVision {
@@ -201,6 +204,7 @@ impl Qwen2VlVision {
             device: device.clone(),
             buffer_limit: DEFAULT_BUFFER_LIMIT,
             dtype: DType::F32,
+            stages: StageClock::default(),
         })
     }
 
@@ -246,6 +250,12 @@ impl Qwen2VlVision {
         }
         self.merger.mlp0.set_kernel(kernel);
         self.merger.mlp2.set_kernel(kernel);
+    }
+
+    /// Marks the end of each stage of [`Self::forward`] on `clock` (clones of the model share
+    /// it).
+    pub fn set_stage_clock(&mut self, clock: StageClock) {
+        self.stages = clock;
     }
 
     /// The model's shape.
@@ -349,33 +359,35 @@ impl Qwen2VlVision {
             .collect();
         let pieces = attention::pieces(&segments, self.config.num_heads, self.buffer_limit);
 
+        self.stages.begin();
         let mut x = pixel_values
             .cast(self.dtype)
             .matmul(self.patch_embed_t.clone());
+        self.stages.mark(Stage::PatchEmbed);
         for block in &self.blocks {
-            let attended = self.attention(
-                block,
-                block.norm1.forward(x.clone()),
-                &cos,
-                &sin,
-                &pieces,
-                tower,
-            )?;
-            x = x + attended;
-            let hidden = block.fc1.forward(block.norm2.forward(x.clone()), tower)?;
-            x = x + block.fc2.forward(quick_gelu(hidden), tower)?;
+            let normed = self.norm(&block.norm1, x.clone());
+            let attended = self.attention(block, normed, &cos, &sin, &pieces, tower)?;
+            x = self.residual(x, attended);
+            let normed = self.norm(&block.norm2, x.clone());
+            let hidden = self.linear(&block.fc1, normed, tower, Stage::Fc1)?;
+            let activated = quick_gelu(hidden);
+            self.stages.mark(Stage::Activation);
+            let mlp = self.linear(&block.fc2, activated, tower, Stage::Fc2)?;
+            x = self.residual(x, mlp);
         }
         let merged = self
-            .merger
-            .ln_q
-            .forward(x.clone())
+            .norm(&self.merger.ln_q, x.clone())
             .reshape([rows / (m * m), self.config.embed_dim * m * m]);
-        let hidden = gelu(self.merger.mlp0.forward(merged, connector)?);
-        let embeds = self.merger.mlp2.forward(hidden, connector)?;
-        Ok(VisionOutput {
+        let hidden = self.linear(&self.merger.mlp0, merged, connector, Stage::MergerMlp0)?;
+        let activated = gelu(hidden);
+        self.stages.mark(Stage::Activation);
+        let embeds = self.linear(&self.merger.mlp2, activated, connector, Stage::MergerMlp2)?;
+        let output = VisionOutput {
             tower: x.cast(DType::F32),
             embeds: embeds.cast(DType::F32),
-        })
+        };
+        self.stages.mark(Stage::Output);
+        Ok(output)
     }
 
     fn attention(
@@ -389,7 +401,9 @@ impl Qwen2VlVision {
     ) -> Result<Tensor<2>, ModelError> {
         let [rows, _] = x.dims();
         let (heads, hd) = (self.config.num_heads, self.config.head_dim());
-        let qkv = block.qkv.forward(x, tower)?.reshape([rows, 3, heads, hd]);
+        let qkv = self
+            .linear(&block.qkv, x, tower, Stage::Qkv)?
+            .reshape([rows, 3, heads, hd]);
         let part = |i: usize| {
             qkv.clone()
                 .slice([0..rows, i..i + 1])
@@ -398,12 +412,48 @@ impl Qwen2VlVision {
         let q = rope::rotate(part(0), cos, sin);
         let k = rope::rotate(part(1), cos, sin);
         let v = part(2);
+        self.stages.mark(Stage::Rotary);
         let scale = (hd as f64).powf(-0.5);
         let outputs = pieces
             .iter()
             .map(|&piece| attention::attend(&q, &k, &v, piece, scale))
             .collect();
-        Ok(block.proj.forward(Tensor::cat(outputs, 0), tower)?)
+        let attended = Tensor::cat(outputs, 0);
+        self.stages.mark(Stage::Attention);
+        self.linear(&block.proj, attended, tower, Stage::Proj)
+    }
+
+    /// `layer` on `x`: its base product marked as `stage`, its LoRA op (where adapters are
+    /// installed) as [`Stage::LoraOp`].
+    fn linear(
+        &self,
+        layer: &LoraLinear,
+        x: Tensor<2>,
+        batch: &LoraBatch,
+        stage: Stage,
+    ) -> Result<Tensor<2>, ModelError> {
+        let y = layer.base(x.clone());
+        self.stages.mark(stage);
+        if !layer.has_lora() {
+            return Ok(y);
+        }
+        let y = layer.add_lora(x, y, batch)?;
+        self.stages.mark(Stage::LoraOp);
+        Ok(y)
+    }
+
+    /// `norm` on `x`, marked as [`Stage::Norm`].
+    fn norm(&self, norm: &LayerNorm, x: Tensor<2>) -> Tensor<2> {
+        let normed = norm.forward(x);
+        self.stages.mark(Stage::Norm);
+        normed
+    }
+
+    /// `x + update`, marked as [`Stage::Residual`].
+    fn residual(&self, x: Tensor<2>, update: Tensor<2>) -> Tensor<2> {
+        let sum = x + update;
+        self.stages.mark(Stage::Residual);
+        sum
     }
 }
 
