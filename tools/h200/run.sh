@@ -34,7 +34,8 @@ step() { echo "== $1" >&2; shift; timeout "$@"; echo "== exit $?" >&2; }
 # each alone too), the f16 linears on cooperative matrices (coop: never run before, the
 # tensor cores), each linear alone in every kernel and precision (FLOP/s), the op with the
 # shrink shader built for software GPUs (auto takes the split one on a hardware GPU: compare
-# with bench 448's op lines), then how time and memory grow with images and adapters.
+# with bench 448's op lines), where the time goes stage by stage, then how time and memory grow
+# with images and adapters.
 step "bench 448" 300 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
     --adapters 1,2,4,8,16 --ranks 16,64 --op-rows 256,4096,8192 --linear-kernel burn \
     --plot "$OUT/h200-448.png" > "$OUT/bench-448.jsonl" 2> "$OUT/bench-448.log"
@@ -55,6 +56,14 @@ step "lora shrink registers" 60 /tmp/bin/mmlora bench --device gpu --json --imag
 step "linear kernels 448 f16" 90 env RUST_LOG=mmlora=info /tmp/bin/mmlora bench --device gpu --json --images 8 \
     --side 448 --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto --precision f16 \
     > "$OUT/linear-448-f16.jsonl" 2> "$OUT/linear-448-f16.log"
+# Where the time goes: each stage of the pass clocked (products in TFLOP/s, against the fp32
+# ALU peak of ~67 and cuBLAS's 50.3), with auto's linears, in f32 and f16.
+step "stages 448" 90 env RUST_LOG=mmlora=info /tmp/bin/mmlora bench --device gpu --json --stages \
+    --images 8 --side 448 --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto \
+    > "$OUT/stages-448.jsonl" 2> "$OUT/stages-448.log"
+step "stages 448 f16" 90 env RUST_LOG=mmlora=info /tmp/bin/mmlora bench --device gpu --json --stages \
+    --images 8 --side 448 --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto --precision f16 \
+    > "$OUT/stages-448-f16.jsonl" 2> "$OUT/stages-448-f16.log"
 step "scale 448" 150 /tmp/bin/mmlora bench --device gpu --json --scale --side 448 \
     --scale-images 1,4,16,64 --scale-adapters 1,16,64 --linear-kernel burn \
     > "$OUT/scale-448.jsonl" 2> "$OUT/scale-448.log"
