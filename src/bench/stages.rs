@@ -226,37 +226,41 @@ fn flop(config: &VisionConfig, grids: &[[usize; 3]], rank: usize) -> BTreeMap<St
         .map(|&[t, h, w]| t as f64 * 4.0 * ((h * w) as f64).powi(2) * d)
         .sum();
     let product = |rows: f64, inp: f64, out: f64| 2.0 * rows * inp * out;
-    let tower_linears = [(d, 3.0 * d), (d, d), (d, mlp), (mlp, d)];
-    let merger_linears = [(merged_width, merged_width), (merged_width, hidden)];
+    // Each linear's stage and (in, out): the blocks' over the tower rows, the merger's over
+    // the merged rows.
+    let tower_linears = [
+        (Stage::Qkv, d, 3.0 * d),
+        (Stage::Proj, d, d),
+        (Stage::Fc1, d, mlp),
+        (Stage::Fc2, mlp, d),
+    ];
+    let merger_linears = [
+        (Stage::MergerMlp0, merged_width, merged_width),
+        (Stage::MergerMlp2, merged_width, hidden),
+    ];
     let mut flop = BTreeMap::from([
         (
             Stage::PatchEmbed,
             product(rows, config.patch_len() as f64, d),
         ),
-        (Stage::Qkv, depth * product(rows, d, 3.0 * d)),
         (Stage::Attention, depth * attention),
-        (Stage::Proj, depth * product(rows, d, d)),
-        (Stage::Fc1, depth * product(rows, d, mlp)),
-        (Stage::Fc2, depth * product(rows, mlp, d)),
-        (
-            Stage::MergerMlp0,
-            product(merged_rows, merged_width, merged_width),
-        ),
-        (
-            Stage::MergerMlp2,
-            product(merged_rows, merged_width, hidden),
-        ),
     ]);
+    for &(stage, inp, out) in &tower_linears {
+        flop.insert(stage, depth * product(rows, inp, out));
+    }
+    for &(stage, inp, out) in &merger_linears {
+        flop.insert(stage, product(merged_rows, inp, out));
+    }
     if rank > 0 {
         // Shrink to the rank and expand back, each row through its own adapter.
         let r = rank as f64;
         let tower: f64 = tower_linears
             .iter()
-            .map(|&(inp, out)| depth * product(rows, r, inp + out))
+            .map(|&(_, inp, out)| depth * product(rows, r, inp + out))
             .sum();
         let merger: f64 = merger_linears
             .iter()
-            .map(|&(inp, out)| product(merged_rows, r, inp + out))
+            .map(|&(_, inp, out)| product(merged_rows, r, inp + out))
             .sum();
         flop.insert(Stage::LoraOp, tower + merger);
     }
