@@ -11,12 +11,17 @@ use mmlora::bench::Preset;
 use mmlora::bench::op::{OpInputs, OpShape, timed};
 use mmlora::device::{self, RuntimeDevice};
 
-fn bench_device(c: &mut Criterion, on: &RuntimeDevice, label: &str) {
+fn bench_device(c: &mut Criterion, on: &RuntimeDevice) {
     let shape = OpShape::qkv(&Preset::Qwen2Vl2b.config(), 1024, 16, 8);
     let i = OpInputs::new(shape, on);
     let mut group = c.benchmark_group(format!(
-        "qkv_{}x{}x{}_r{}_{}mixed/{label}",
-        shape.rows, shape.in_features, shape.out_features, shape.rank, shape.adapters
+        "qkv_{}x{}x{}_r{}_{}mixed/{}",
+        shape.rows,
+        shape.in_features,
+        shape.out_features,
+        shape.rank,
+        shape.adapters,
+        on.kind()
     ));
     group
         .sampling_mode(SamplingMode::Flat)
@@ -43,11 +48,11 @@ fn lora_op(c: &mut Criterion) {
     match device::gpu() {
         Ok(gpu) => {
             eprintln!("gpu: {}", gpu.description);
-            bench_device(c, &gpu, "gpu");
+            bench_device(c, &gpu);
         }
         Err(error) => eprintln!("no GPU benchmark: {error}"),
     }
-    bench_device(c, &device::cpu(), "cpu");
+    bench_device(c, &device::cpu());
 }
 
 criterion_group!(benches, lora_op);

@@ -64,6 +64,11 @@ pub struct RuntimeDevice {
 }
 
 impl RuntimeDevice {
+    /// `gpu` for a wgpu device, `cpu` for the CPU backend.
+    pub fn kind(&self) -> &'static str {
+        if self.wgpu.is_some() { "gpu" } else { "cpu" }
+    }
+
     /// Whether the model can compute in `precision` here: f16 needs a GPU whose adapter has
     /// `SHADER_F16` (the CPU backend's f16 would be emulated, slower than f32).
     pub fn supports(&self, precision: Precision) -> bool {

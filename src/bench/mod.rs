@@ -120,9 +120,37 @@ impl Default for BenchSpec {
     }
 }
 
-/// One configuration's result (a line of `mmlora bench --json`).
+impl BenchSpec {
+    /// What this spec's configuration of `adapters` adapters of `rank` runs on `device`, its
+    /// linears computed by `linear_kernel`.
+    fn setup(
+        &self,
+        device: &RuntimeDevice,
+        linear_kernel: LinearKernel,
+        adapters: usize,
+        rank: usize,
+    ) -> RunSetup {
+        let compute = (self.precision, linear_kernel, self.lora_shrink);
+        RunSetup::new(
+            device,
+            self.preset,
+            compute,
+            self.images,
+            self.side,
+            adapters,
+            rank,
+        )
+    }
+}
+
+/// How a configuration computes: its float type, its linears' kernel (resolved for the device)
+/// and its LoRA shrink shader.
+type Compute = (Precision, LinearKernel, ShrinkKernel);
+
+/// What a line of `mmlora bench` ran: the device, the model shape, the batch and the kernels
+/// (fields of the line itself in its JSON).
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct BenchRecord {
+pub struct RunSetup {
     /// `cpu` or `gpu`.
     pub device: String,
     /// What the device is (adapter name, graphics API, type, driver).
@@ -139,11 +167,46 @@ pub struct BenchRecord {
     pub rank: usize,
     /// `f32` or `f16`.
     pub precision: String,
-    /// The linear layers' kernel: `burn`, `wgsl` or `tiled`.
+    /// The linear layers' kernel: `burn`, `wgsl`, `tiled` or `coop`.
     pub linear_kernel: String,
     /// The LoRA shrink shader: `split` or `registers` (`None` on the CPU backend, which runs
     /// its own op).
     pub lora_shrink: Option<String>,
+}
+
+impl RunSetup {
+    /// `adapters` distinct adapters of `rank` mixed over `images` images of `side` pixels, in a
+    /// model of `preset`'s shape on `device`, computed as `compute` says.
+    fn new(
+        device: &RuntimeDevice,
+        preset: Preset,
+        (precision, linear_kernel, lora_shrink): Compute,
+        images: usize,
+        side: usize,
+        adapters: usize,
+        rank: usize,
+    ) -> Self {
+        Self {
+            device: device.kind().to_owned(),
+            adapter_name: device.description.clone(),
+            preset: preset.name().to_owned(),
+            images,
+            side,
+            adapters,
+            rank,
+            precision: precision.name().to_owned(),
+            linear_kernel: linear_kernel.name().to_owned(),
+            lora_shrink: shrink_name(lora_shrink, device),
+        }
+    }
+}
+
+/// One configuration's result (a line of `mmlora bench --json`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BenchRecord {
+    /// What ran.
+    #[serde(flatten)]
+    pub setup: RunSetup,
     /// Median time of one batch.
     pub median_ms: f64,
     /// Images per second at the median.
@@ -157,7 +220,6 @@ pub struct BenchRecord {
 pub fn run(
     spec: &BenchSpec,
     device: &RuntimeDevice,
-    device_kind: &str,
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<BenchRecord>, EngineError> {
     let config = spec.preset.config();
@@ -204,16 +266,7 @@ pub fn run(
         .map(|(&(adapters, rank, kernel), own)| {
             let median_ms = median(own);
             BenchRecord {
-                device: device_kind.to_owned(),
-                adapter_name: device.description.clone(),
-                preset: spec.preset.name().to_owned(),
-                images: spec.images,
-                side: spec.side,
-                adapters,
-                rank,
-                precision: spec.precision.name().to_owned(),
-                linear_kernel: kernel.name().to_owned(),
-                lora_shrink: shrink_name(spec.lora_shrink, device),
+                setup: spec.setup(device, kernel, adapters, rank),
                 median_ms,
                 img_per_s: spec.images as f64 / (median_ms / 1e3),
                 ratio_vs_base: paired_ratio(&times[0], own),
@@ -273,7 +326,7 @@ fn shrink_name(kernel: ShrinkKernel, device: &RuntimeDevice) -> Option<String> {
 fn engine_with_adapters(
     model: &Qwen2VlVision,
     device: &RuntimeDevice,
-    (precision, linear_kernel, lora_shrink): (Precision, LinearKernel, ShrinkKernel),
+    (precision, linear_kernel, lora_shrink): Compute,
     slots: usize,
     loaded: usize,
     rank: usize,
@@ -411,12 +464,11 @@ mod tests {
             lora_shrink: ShrinkKernel::Auto,
         };
         let mut seen = Vec::new();
-        let records = run(&spec, &crate::device::cpu(), "cpu", |c| {
-            seen.push(c.to_owned())
-        })
-        .unwrap();
-        let configurations: Vec<(usize, usize)> =
-            records.iter().map(|r| (r.adapters, r.rank)).collect();
+        let records = run(&spec, &crate::device::cpu(), |c| seen.push(c.to_owned())).unwrap();
+        let configurations: Vec<(usize, usize)> = records
+            .iter()
+            .map(|r| (r.setup.adapters, r.setup.rank))
+            .collect();
         assert_eq!(configurations, [(0, 0), (1, 2), (3, 2), (1, 4), (3, 4)]);
         assert_eq!(seen.len(), 5 + 1, "five configurations prepared, one round");
         assert_eq!(records[0].ratio_vs_base, 1.0);
@@ -425,7 +477,12 @@ mod tests {
                 record.median_ms > 0.0 && record.img_per_s > 0.0,
                 "{record:?}"
             );
-            assert_eq!((record.preset.as_str(), record.images), ("tiny", 3));
+            let setup = &record.setup;
+            assert_eq!(
+                (setup.device.as_str(), setup.preset.as_str()),
+                ("cpu", "tiny")
+            );
+            assert_eq!(setup.images, 3);
         }
     }
 

@@ -224,7 +224,7 @@ pub struct OpRecord {
 
 /// Times the base linear, base + op and base + naive at `shape`: one warm-up run each, then
 /// `repeats` rounds in turns; medians, and the overheads from each round's pair.
-pub fn run(shape: OpShape, on: &RuntimeDevice, kind: &str, repeats: usize) -> OpRecord {
+pub fn run(shape: OpShape, on: &RuntimeDevice, repeats: usize) -> OpRecord {
     let inputs = OpInputs::new(shape, on);
     let variants: [&dyn Fn() -> Tensor<2>; 3] =
         [&|| inputs.base(), &|| inputs.lora(inputs.base()), &|| {
@@ -239,7 +239,7 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, kind: &str, repeats: usize) -> Op
     let [base, lora, naive] = [&times[0], &times[1], &times[2]];
     OpRecord {
         kind: "op",
-        device: kind.to_owned(),
+        device: on.kind().to_owned(),
         adapter_name: on.description.clone(),
         rows: shape.rows,
         in_features: shape.in_features,

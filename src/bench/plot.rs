@@ -35,16 +35,21 @@ pub enum PlotError {
 pub fn throughput_png(records: &[BenchRecord], path: &Path) -> Result<(), PlotError> {
     let base = records
         .iter()
-        .find(|r| r.adapters == 0)
+        .find(|r| r.setup.adapters == 0)
         .ok_or(PlotError::Empty)?;
     let mut ranks: Vec<usize> = records
         .iter()
-        .filter(|r| r.adapters > 0)
-        .map(|r| r.rank)
+        .filter(|r| r.setup.adapters > 0)
+        .map(|r| r.setup.rank)
         .collect();
     ranks.sort_unstable();
     ranks.dedup();
-    let max_adapters = records.iter().map(|r| r.adapters).max().unwrap_or(1).max(1);
+    let max_adapters = records
+        .iter()
+        .map(|r| r.setup.adapters)
+        .max()
+        .unwrap_or(1)
+        .max(1);
     let top = records.iter().map(|r| r.img_per_s).fold(0.0, f64::max) * 1.15;
 
     // A font compiled in, so the picture is the same on every machine.
@@ -60,7 +65,7 @@ pub fn throughput_png(records: &[BenchRecord], path: &Path) -> Result<(), PlotEr
         let root = BitMapBackend::with_buffer(&mut pixels, SIZE).into_drawing_area();
         let title = format!(
             "{}: {} images of {}², {}",
-            base.preset, base.images, base.side, base.adapter_name
+            base.setup.preset, base.setup.images, base.setup.side, base.setup.adapter_name
         );
         let mut chart = ChartBuilder::on(&root)
             .caption(title, ("sans-serif", 20))
@@ -103,8 +108,8 @@ pub fn throughput_png(records: &[BenchRecord], path: &Path) -> Result<(), PlotEr
             let color = Palette99::pick(i).to_rgba();
             let points: Vec<(f64, f64)> = records
                 .iter()
-                .filter(|r| r.adapters > 0 && r.rank == rank)
-                .map(|r| (r.adapters as f64, r.img_per_s))
+                .filter(|r| r.setup.adapters > 0 && r.setup.rank == rank)
+                .map(|r| (r.setup.adapters as f64, r.img_per_s))
                 .collect();
             chart
                 .draw_series(LineSeries::new(points.clone(), color.stroke_width(3)))

@@ -12,7 +12,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::{
-    Preset, engine_with_adapters, in_turns, median, mixed_batch, random_images, shrink_name,
+    Compute, Preset, RunSetup, engine_with_adapters, in_turns, median, mixed_batch, random_images,
 };
 use crate::device::{Precision, RuntimeDevice};
 use crate::engine::{Engine, EngineError, Request};
@@ -85,32 +85,15 @@ pub struct ScaleRecord {
     pub kind: &'static str,
     /// `images` or `adapters`: which sweep.
     pub sweep: &'static str,
-    /// `cpu` or `gpu`.
-    pub device: String,
-    /// What the device is.
-    pub adapter_name: String,
-    /// The model shape.
-    pub preset: String,
-    /// Image side in pixels.
-    pub side: usize,
-    /// Images per batch.
-    pub images: usize,
+    /// What ran (`adapters`: distinct adapters in the batch, 0 for the base model).
+    #[serde(flatten)]
+    pub setup: RunSetup,
     /// Adapters registered with the engine (all in host memory).
     pub loaded: usize,
-    /// Distinct adapters in the batch (0: the base model).
-    pub adapters: usize,
-    /// Adapter rank (0: the base model).
-    pub rank: usize,
     /// GPU slots.
     pub slots: usize,
     /// Scheduler steps per call.
     pub steps: usize,
-    /// `f32` or `f16`.
-    pub precision: String,
-    /// The linear layers' kernel: `burn`, `wgsl` or `tiled`.
-    pub linear_kernel: String,
-    /// The LoRA shrink shader: `split` or `registers` (`None` on the CPU backend).
-    pub lora_shrink: Option<String>,
     /// Median time of one batch.
     pub median_ms: f64,
     /// `median_ms / images`.
@@ -129,7 +112,6 @@ pub struct ScaleRecord {
 pub fn run(
     spec: &ScaleSpec,
     device: &RuntimeDevice,
-    device_kind: &str,
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<ScaleRecord>, EngineError> {
     let config = spec.preset.config();
@@ -144,8 +126,11 @@ pub fn run(
     let sweep = Sweep {
         spec,
         device,
-        device_kind,
-        linear_kernel: spec.linear_kernel.resolve(device),
+        compute: (
+            spec.precision,
+            spec.linear_kernel.resolve(device),
+            spec.lora_shrink,
+        ),
         model: &model,
         requests: &requests,
     };
@@ -170,9 +155,7 @@ pub fn run(
 struct Sweep<'a> {
     spec: &'a ScaleSpec,
     device: &'a RuntimeDevice,
-    device_kind: &'a str,
-    /// The spec's linear kernel, resolved for the device.
-    linear_kernel: LinearKernel,
+    compute: Compute,
     model: &'a Qwen2VlVision,
     requests: &'a [Request],
 }
@@ -256,18 +239,8 @@ impl Sweep<'_> {
         self.device.device.memory_cleanup();
         let rss_reset = reset_peak_rss();
         let rank = self.rank(configuration);
-        let mut engine = engine_with_adapters(
-            self.model,
-            self.device,
-            (
-                self.spec.precision,
-                self.linear_kernel,
-                self.spec.lora_shrink,
-            ),
-            slots,
-            adapters,
-            rank,
-        )?;
+        let mut engine =
+            engine_with_adapters(self.model, self.device, self.compute, slots, adapters, rank)?;
         let batch = mixed_batch(&self.requests[..images], adapters, rank);
         let encoded = engine.encode(&batch, false)?;
         Ok(Warm {
@@ -297,19 +270,18 @@ impl Sweep<'_> {
         ScaleRecord {
             kind: "scale",
             sweep: configuration.sweep,
-            device: self.device_kind.to_owned(),
-            adapter_name: self.device.description.clone(),
-            preset: self.spec.preset.name().to_owned(),
-            side: self.spec.side,
-            images,
+            setup: RunSetup::new(
+                self.device,
+                self.spec.preset,
+                self.compute,
+                images,
+                self.spec.side,
+                configuration.adapters.min(images),
+                self.rank(configuration),
+            ),
             loaded: configuration.adapters,
-            adapters: configuration.adapters.min(images),
-            rank: self.rank(configuration),
             slots: configuration.slots,
             steps: warm.steps,
-            precision: self.spec.precision.name().to_owned(),
-            linear_kernel: self.linear_kernel.name().to_owned(),
-            lora_shrink: shrink_name(self.spec.lora_shrink, self.device),
             median_ms,
             ms_per_image: median_ms / images as f64,
             img_per_s: images as f64 / (median_ms / 1e3),
@@ -357,10 +329,20 @@ mod tests {
             linear_kernel: LinearKernel::Auto,
             lora_shrink: ShrinkKernel::Auto,
         };
-        let records = run(&spec, &crate::device::cpu(), "cpu", |_| ()).unwrap();
+        let records = run(&spec, &crate::device::cpu(), |_| ()).unwrap();
         let seen: Vec<_> = records
             .iter()
-            .map(|r| (r.sweep, r.images, r.loaded, r.adapters, r.slots, r.steps))
+            .map(|r| {
+                let setup = &r.setup;
+                (
+                    r.sweep,
+                    setup.images,
+                    r.loaded,
+                    setup.adapters,
+                    r.slots,
+                    r.steps,
+                )
+            })
             .collect();
         assert_eq!(
             seen,

@@ -13,7 +13,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::{
-    BenchSpec, engine_with_adapters, in_turns, median, mixed_batch, random_images, shrink_name,
+    BenchSpec, RunSetup, engine_with_adapters, in_turns, median, mixed_batch, random_images,
 };
 use crate::device::RuntimeDevice;
 use crate::engine::{EngineError, ImageSource, Request};
@@ -43,26 +43,9 @@ pub struct StageLine {
 pub struct StageProfile {
     /// `stages`: tells these lines from the throughput lines.
     pub kind: &'static str,
-    /// `cpu` or `gpu`.
-    pub device: String,
-    /// What the device is.
-    pub adapter_name: String,
-    /// The model shape.
-    pub preset: String,
-    /// Images per batch.
-    pub images: usize,
-    /// Image side in pixels.
-    pub side: usize,
-    /// Distinct adapters mixed (0: the base model).
-    pub adapters: usize,
-    /// Adapter rank (0: the base model).
-    pub rank: usize,
-    /// `f32` or `f16`.
-    pub precision: String,
-    /// The linear layers' kernel.
-    pub linear_kernel: String,
-    /// The LoRA shrink shader (`None` on the CPU backend).
-    pub lora_shrink: Option<String>,
+    /// What ran.
+    #[serde(flatten)]
+    pub setup: RunSetup,
     /// A plain pass (no clock), median ms.
     pub plain_ms: f64,
     /// A clocked pass, the sum of its stages' medians, ms.
@@ -77,7 +60,6 @@ pub struct StageProfile {
 pub fn run(
     spec: &BenchSpec,
     device: &RuntimeDevice,
-    device_kind: &str,
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<StageProfile>, EngineError> {
     let config = spec.preset.config();
@@ -91,6 +73,7 @@ pub fn run(
         &PreprocessConfig::default(),
     )?;
     let kernel = spec.linear_kernel.resolve(device);
+    let compute = (spec.precision, kernel, spec.lora_shrink);
     let rank = spec.ranks.first().copied().unwrap_or(1);
     let mixed = spec.adapters.iter().copied().max().unwrap_or(1);
     let configurations = [(0, 0), (mixed, rank)];
@@ -98,7 +81,6 @@ pub fn run(
     let mut runs = Vec::with_capacity(configurations.len());
     for &(adapters, rank) in &configurations {
         progress(&format!("preparing {adapters} adapters of rank {rank}"));
-        let compute = (spec.precision, kernel, spec.lora_shrink);
         let mut engine = engine_with_adapters(&model, device, compute, adapters, adapters, rank)?;
         let batch = mixed_batch(&requests, adapters, rank);
         // Warm-up, plain and clocked: the waits end Burn's fused kernels elsewhere, so a
@@ -139,16 +121,7 @@ pub fn run(
             let stages = lines(&clocked[i], &flop(&config, &grids, rank));
             StageProfile {
                 kind: "stages",
-                device: device_kind.to_owned(),
-                adapter_name: device.description.clone(),
-                preset: spec.preset.name().to_owned(),
-                images: spec.images,
-                side: spec.side,
-                adapters,
-                rank,
-                precision: spec.precision.name().to_owned(),
-                linear_kernel: kernel.name().to_owned(),
-                lora_shrink: shrink_name(spec.lora_shrink, device),
+                setup: spec.setup(device, kernel, adapters, rank),
                 plain_ms: median(&plain[2 * i]),
                 clocked_ms: stages.iter().map(|line| line.median_ms).sum(),
                 stages,
@@ -312,12 +285,15 @@ mod tests {
         };
         let devices = [Some(crate::device::cpu()), crate::device::gpu_for_tests()];
         for device in devices.iter().flatten() {
-            check_profiles(&run(&spec, device, "test", |_| {}).unwrap());
+            check_profiles(&run(&spec, device, |_| {}).unwrap());
         }
     }
 
     fn check_profiles(profiles: &[StageProfile]) {
-        let configurations: Vec<_> = profiles.iter().map(|p| (p.adapters, p.rank)).collect();
+        let configurations: Vec<_> = profiles
+            .iter()
+            .map(|p| (p.setup.adapters, p.setup.rank))
+            .collect();
         assert_eq!(configurations, [(0, 0), (3, 4)]);
         for profile in profiles {
             let marks: BTreeMap<&str, usize> =
@@ -339,7 +315,7 @@ mod tests {
                 ("merger_mlp2", 1),
                 ("output", 1),
             ]);
-            if profile.adapters > 0 {
+            if profile.setup.adapters > 0 {
                 expected.insert("lora_op", 10);
             }
             assert_eq!(marks, expected, "{profile:?}");

@@ -111,10 +111,9 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         check_writable_folder(plot)?;
     }
     let runtime = device::select(args.device)?;
-    let kind = if runtime.wgpu.is_some() { "gpu" } else { "cpu" };
     eprintln!("device: {}", runtime.description);
     if args.scale {
-        return run_scale(args, &runtime, kind);
+        return run_scale(args, &runtime);
     }
     let software_gpu = runtime.wgpu.is_some() && !runtime.hardware_gpu;
     let side = args.side.unwrap_or(if software_gpu {
@@ -134,9 +133,9 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         lora_shrink: args.lora_shrink,
     };
     if args.stages {
-        return run_stages(&spec, &runtime, kind, args.json);
+        return run_stages(&spec, &runtime, args.json);
     }
-    let records = bench::run(&spec, &runtime, kind, |configuration| {
+    let records = bench::run(&spec, &runtime, |configuration| {
         eprintln!("{configuration}…");
     })?;
     let mixed = spec.adapters.iter().copied().max().unwrap_or(1);
@@ -156,7 +155,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                 lora_shrink: spec.lora_shrink,
                 ..OpShape::qkv(&spec.preset.config(), rows, rank, mixed)
             };
-            ops.push(bench::op::run(shape, &runtime, kind, spec.repeats));
+            ops.push(bench::op::run(shape, &runtime, spec.repeats));
         }
     }
     if args.json {
@@ -177,10 +176,10 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         for r in &records {
             println!(
                 "{:>8} {:>5} {:>7} {:>9} {:>12.1} {:>10.2} {:>13.3}×",
-                r.adapters,
-                r.rank,
-                r.linear_kernel,
-                r.lora_shrink.as_deref().unwrap_or("native"),
+                r.setup.adapters,
+                r.setup.rank,
+                r.setup.linear_kernel,
+                r.setup.lora_shrink.as_deref().unwrap_or("native"),
                 r.median_ms,
                 r.img_per_s,
                 r.ratio_vs_base
@@ -216,13 +215,8 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
 }
 
 /// Runs `mmlora bench --stages`.
-fn run_stages(
-    spec: &BenchSpec,
-    runtime: &RuntimeDevice,
-    kind: &str,
-    json: bool,
-) -> Result<(), CliError> {
-    let profiles = stages::run(spec, runtime, kind, |step| eprintln!("{step}…"))?;
+fn run_stages(spec: &BenchSpec, runtime: &RuntimeDevice, json: bool) -> Result<(), CliError> {
+    let profiles = stages::run(spec, runtime, |step| eprintln!("{step}…"))?;
     for profile in &profiles {
         if json {
             println!(
@@ -233,9 +227,9 @@ fn run_stages(
         }
         println!(
             "\n{} adapters of rank {}, {} linears: plain pass {:.1} ms, clocked {:.1} ms",
-            profile.adapters,
-            profile.rank,
-            profile.linear_kernel,
+            profile.setup.adapters,
+            profile.setup.rank,
+            profile.setup.linear_kernel,
             profile.plain_ms,
             profile.clocked_ms
         );
@@ -262,7 +256,7 @@ fn run_stages(
 }
 
 /// Runs `mmlora bench --scale`.
-fn run_scale(args: BenchArgs, runtime: &RuntimeDevice, kind: &str) -> Result<(), CliError> {
+fn run_scale(args: BenchArgs, runtime: &RuntimeDevice) -> Result<(), CliError> {
     let spec = ScaleSpec {
         preset: args.preset,
         side: args.side.unwrap_or(scale::SCALE_SIDE),
@@ -277,7 +271,7 @@ fn run_scale(args: BenchArgs, runtime: &RuntimeDevice, kind: &str) -> Result<(),
         linear_kernel: args.linear_kernel,
         lora_shrink: args.lora_shrink,
     };
-    let records = scale::run(&spec, runtime, kind, |configuration| {
+    let records = scale::run(&spec, runtime, |configuration| {
         eprintln!("{configuration}…");
     })?;
     if args.json {
@@ -308,9 +302,9 @@ fn run_scale(args: BenchArgs, runtime: &RuntimeDevice, kind: &str) -> Result<(),
         println!(
             "{:>8} {:>6} {:>6} {:>8} {:>5} {:>5} {:>11.1} {:>9.1} {:>8.2} {:>9} {:>10}",
             r.sweep,
-            r.images,
+            r.setup.images,
             r.loaded,
-            r.adapters,
+            r.setup.adapters,
             r.slots,
             r.steps,
             r.median_ms,
