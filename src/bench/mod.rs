@@ -121,6 +121,11 @@ impl Default for BenchSpec {
 }
 
 impl BenchSpec {
+    /// How this spec computes with `linear_kernel` for the linears.
+    fn compute(&self, linear_kernel: LinearKernel) -> Compute {
+        (self.precision, linear_kernel, self.lora_shrink)
+    }
+
     /// What this spec's configuration of `adapters` adapters of `rank` runs on `device`, its
     /// linears computed by `linear_kernel`.
     fn setup(
@@ -130,11 +135,10 @@ impl BenchSpec {
         adapters: usize,
         rank: usize,
     ) -> RunSetup {
-        let compute = (self.precision, linear_kernel, self.lora_shrink);
         RunSetup::new(
             device,
             self.preset,
-            compute,
+            self.compute(linear_kernel),
             self.images,
             self.side,
             adapters,
@@ -244,8 +248,14 @@ pub fn run(
             "preparing {adapters} adapters of rank {rank}, {} linears",
             kernel.name()
         ));
-        let compute = (spec.precision, kernel, spec.lora_shrink);
-        let mut engine = engine_with_adapters(&model, device, compute, adapters, adapters, rank)?;
+        let mut engine = engine_with_adapters(
+            &model,
+            device,
+            spec.compute(kernel),
+            adapters,
+            adapters,
+            rank,
+        )?;
         let batch = mixed_batch(&requests, adapters, rank);
         engine.encode(&batch, false)?; // warm-up
         runs.push((engine, batch));

@@ -73,7 +73,7 @@ pub fn run(
         &PreprocessConfig::default(),
     )?;
     let kernel = spec.linear_kernel.resolve(device);
-    let compute = (spec.precision, kernel, spec.lora_shrink);
+    let compute = spec.compute(kernel);
     let rank = spec.ranks.first().copied().unwrap_or(1);
     let mixed = spec.adapters.iter().copied().max().unwrap_or(1);
     let configurations = [(0, 0), (mixed, rank)];
