@@ -469,9 +469,7 @@ mod tests {
             adapters: vec![1, 3],
             ranks: vec![2, 4],
             repeats: 1,
-            precision: Precision::F32,
-            linear_kernel: LinearKernel::Auto,
-            lora_shrink: ShrinkKernel::Auto,
+            ..BenchSpec::default()
         };
         let mut seen = Vec::new();
         let records = run(&spec, &crate::device::cpu(), |c| seen.push(c.to_owned())).unwrap();

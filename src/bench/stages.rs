@@ -244,9 +244,6 @@ fn flop(config: &VisionConfig, grids: &[[usize; 3]], rank: usize) -> BTreeMap<St
 mod tests {
     use super::*;
     use crate::bench::Preset;
-    use crate::device::Precision;
-    use crate::lora::ops::ShrinkKernel;
-    use crate::model::gemm::LinearKernel;
 
     #[test]
     fn products_count_their_multiply_adds_twice() {
@@ -279,9 +276,7 @@ mod tests {
             adapters: vec![1, 3],
             ranks: vec![4],
             repeats: 2,
-            precision: Precision::F32,
-            linear_kernel: LinearKernel::Auto,
-            lora_shrink: ShrinkKernel::Auto,
+            ..BenchSpec::default()
         };
         let devices = [Some(crate::device::cpu()), crate::device::gpu_for_tests()];
         for device in devices.iter().flatten() {
