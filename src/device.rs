@@ -1,6 +1,6 @@
 //! The runtime device: Burn's CPU backend (Flex) or its wgpu backend on the adapter wgpu picks.
 
-use std::sync::OnceLock;
+use std::sync::{Mutex, PoisonError};
 
 use burn::tensor::wgpu::{WgpuBackend, WgpuInitError, WgpuSetup, wgpu};
 use burn::tensor::{DType, Device};
@@ -69,6 +69,11 @@ impl RuntimeDevice {
         if self.wgpu.is_some() { "gpu" } else { "cpu" }
     }
 
+    /// The graphics API a wgpu device runs on (none on the CPU backend).
+    pub fn graphics_api(&self) -> Option<WgpuBackend> {
+        self.wgpu.as_ref().and_then(|setup| api_of(setup.backend))
+    }
+
     /// Whether the model can compute in `precision` here: f16 needs a GPU whose adapter has
     /// `SHADER_F16` (the CPU backend's f16 would be emulated, slower than f32).
     pub fn supports(&self, precision: Precision) -> bool {
@@ -101,15 +106,47 @@ pub enum DeviceError {
 pub fn requested_backend() -> Result<WgpuBackend, DeviceError> {
     match std::env::var("WGPU_BACKEND") {
         Err(_) => Ok(WgpuBackend::Auto),
-        Ok(name) => match name.to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(WgpuBackend::Auto),
-            "vulkan" => Ok(WgpuBackend::Vulkan),
-            "metal" => Ok(WgpuBackend::Metal),
-            "dx12" => Ok(WgpuBackend::Dx12),
-            "gl" => Ok(WgpuBackend::Gl),
-            "webgpu" => Ok(WgpuBackend::WebGpu),
-            _ => Err(DeviceError::UnknownBackend(name)),
-        },
+        Ok(name) => backend_named(&name),
+    }
+}
+
+/// The graphics API `name` spells (`vulkan`, `metal`, `dx12`, `gl`, `webgpu`; `auto` or empty:
+/// wgpu decides), in any case.
+pub fn backend_named(name: &str) -> Result<WgpuBackend, DeviceError> {
+    match name.to_ascii_lowercase().as_str() {
+        "" | "auto" => Ok(WgpuBackend::Auto),
+        "vulkan" => Ok(WgpuBackend::Vulkan),
+        "metal" => Ok(WgpuBackend::Metal),
+        "dx12" => Ok(WgpuBackend::Dx12),
+        "gl" => Ok(WgpuBackend::Gl),
+        "webgpu" => Ok(WgpuBackend::WebGpu),
+        _ => Err(DeviceError::UnknownBackend(name.to_owned())),
+    }
+}
+
+/// The graphics APIs on which wgpu finds at least one adapter, whatever `WGPU_BACKEND` says,
+/// each once, in the order wgpu lists their adapters.
+pub fn graphics_apis() -> Vec<WgpuBackend> {
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
+    let adapters = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
+    let mut apis = Vec::new();
+    for api in adapters.iter().filter_map(|a| api_of(a.get_info().backend)) {
+        if !apis.contains(&api) {
+            apis.push(api);
+        }
+    }
+    apis
+}
+
+/// The graphics API a wgpu backend is (none for wgpu's no-op backend).
+fn api_of(backend: wgpu::Backend) -> Option<WgpuBackend> {
+    match backend {
+        wgpu::Backend::Vulkan => Some(WgpuBackend::Vulkan),
+        wgpu::Backend::Metal => Some(WgpuBackend::Metal),
+        wgpu::Backend::Dx12 => Some(WgpuBackend::Dx12),
+        wgpu::Backend::Gl => Some(WgpuBackend::Gl),
+        wgpu::Backend::BrowserWebGpu => Some(WgpuBackend::WebGpu),
+        wgpu::Backend::Noop => None,
     }
 }
 
@@ -124,18 +161,30 @@ pub fn cpu() -> RuntimeDevice {
     }
 }
 
-/// The wgpu device, initialised once per process on the adapter wgpu selects.
+/// The wgpu device on the graphics API `WGPU_BACKEND` names (unset: the one wgpu picks), on the
+/// adapter wgpu selects there; initialised once per process.
 pub fn gpu() -> Result<RuntimeDevice, DeviceError> {
-    static GPU: OnceLock<Result<RuntimeDevice, DeviceError>> = OnceLock::new();
-    GPU.get_or_init(|| {
-        let api = requested_backend()?;
-        let (device, setup) = Device::wgpu_options()
-            .graphics_api(api)
-            .init_with_setup()
-            .map_err(|e: WgpuInitError| DeviceError::NoAdapter(e.to_string()))?;
-        Ok(wgpu_device(device, setup))
-    })
-    .clone()
+    gpu_on(requested_backend()?)
+}
+
+/// The wgpu device on graphics API `api` ([`WgpuBackend::Auto`]: the one wgpu picks), on the
+/// adapter wgpu selects there; initialised once per process and API, so devices on several
+/// APIs can live side by side (the tests run the engine on each).
+pub fn gpu_on(api: WgpuBackend) -> Result<RuntimeDevice, DeviceError> {
+    type Opened = Vec<(WgpuBackend, Result<RuntimeDevice, DeviceError>)>;
+    static OPENED: Mutex<Opened> = Mutex::new(Vec::new());
+    // Held while a device opens, so that two threads never open one API twice.
+    let mut opened = OPENED.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some((_, gpu)) = opened.iter().find(|(on, _)| *on == api) {
+        return gpu.clone();
+    }
+    let gpu = Device::wgpu_options()
+        .graphics_api(api)
+        .init_with_setup()
+        .map(|(device, setup)| wgpu_device(device, setup))
+        .map_err(|e: WgpuInitError| DeviceError::NoAdapter(e.to_string()));
+    opened.push((api, gpu.clone()));
+    gpu
 }
 
 /// A new wgpu device on the adapter [`gpu`] uses, independent of it and of every other device:

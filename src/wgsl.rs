@@ -105,11 +105,13 @@ pub(crate) fn launch<K: KernelSource + 'static>(
     );
 }
 
-/// Parses and validates `source` with naga and translates it to SPIR-V, MSL and HLSL, panicking
-/// with `what` and naga's message on the first failure.
+/// Parses and validates `source` with naga and translates it to SPIR-V, MSL, HLSL and, unless it
+/// computes in `f16`, GLSL ES 3.10 (the oldest GLSL with compute shaders; GLSL has no `f16`, and
+/// wgpu's GL backend offers no `SHADER_F16`, so f16 kernels never reach it), panicking with
+/// `what` and naga's message on the first failure.
 #[cfg(test)]
 pub(crate) fn validate_and_translate(source: &str, what: &str) {
-    use naga::back::{hlsl, msl};
+    use naga::back::{glsl, hlsl, msl};
 
     let (module, info) = validate_and_translate_to_spirv(source, what);
     let mut msl_out = String::new();
@@ -129,6 +131,35 @@ pub(crate) fn validate_and_translate(source: &str, what: &str) {
     )
     .write(&module, &info, None)
     .unwrap_or_else(|e| panic!("{what} to HLSL: {e}"));
+    let f16 = naga::Scalar {
+        kind: naga::ScalarKind::Float,
+        width: 2,
+    };
+    let computes_in_f16 = module
+        .types
+        .iter()
+        .any(|(_, ty)| ty.inner.scalar() == Some(f16));
+    if computes_in_f16 {
+        return;
+    }
+    for entry_point in &module.entry_points {
+        let pipeline = glsl::PipelineOptions {
+            shader_stage: entry_point.stage,
+            entry_point: entry_point.name.clone(),
+            multiview: None,
+        };
+        let mut glsl_out = String::new();
+        glsl::Writer::new(
+            &mut glsl_out,
+            &module,
+            &info,
+            &glsl::Options::default(),
+            &pipeline,
+            naga::proc::BoundsCheckPolicies::default(),
+        )
+        .and_then(|mut writer| writer.write())
+        .unwrap_or_else(|e| panic!("{what} to GLSL ES 3.10: {e}"));
+    }
 }
 
 /// Parses and validates `source` with naga and translates it to SPIR-V, panicking with `what`

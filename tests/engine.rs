@@ -4,6 +4,7 @@
 
 mod common;
 
+use burn::tensor::wgpu::WgpuBackend;
 use common::{Expected, errors, fixture_dir, fixture_requests};
 use mmlora::device::{self, Precision, RuntimeDevice};
 use mmlora::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
@@ -69,6 +70,65 @@ fn a_mixed_batch_from_image_files_matches_peft_on_wgpu() {
         // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4.
         let on = format!("{}, {} linears", gpu.description, linear_kernel.name());
         assert_matches_fixtures(&results, 1e-4, &on);
+    }
+}
+
+/// The graphics APIs the next test must find an adapter on: `MMLORA_GRAPHICS_APIS`, a
+/// comma-separated list (`.ci/run` sets `vulkan,gl`: lavapipe and llvmpipe through EGL).
+fn required_graphics_apis() -> Vec<WgpuBackend> {
+    std::env::var("MMLORA_GRAPHICS_APIS")
+        .unwrap_or_default()
+        .split(',')
+        .filter(|name| !name.trim().is_empty())
+        .map(|name| device::backend_named(name.trim()).unwrap())
+        .collect()
+}
+
+/// The fixture batch on every graphics API wgpu finds besides the one the other GPU tests run
+/// on (GL beside Vulkan on Linux, say): our shaders reach each API through its own translation
+/// (naga's SPIR-V, GLSL, MSL, HLSL) and its own driver. Each API runs the default kernels (on a
+/// software GPU the ones built for it) and the ones for hardware GPUs (tiled linears, the split
+/// shrink).
+#[test]
+fn a_mixed_batch_matches_peft_on_every_other_graphics_api() {
+    let Some(gpu) = device::gpu_for_tests() else {
+        return;
+    };
+    let found = device::graphics_apis();
+    for api in required_graphics_apis() {
+        assert!(
+            found.contains(&api),
+            "MMLORA_GRAPHICS_APIS asks for {api:?}, and wgpu finds adapters on {found:?} only"
+        );
+    }
+    let others = found
+        .into_iter()
+        .filter(|api| Some(*api) != gpu.graphics_api());
+    for api in others {
+        let other = device::gpu_on(api).unwrap_or_else(|e| panic!("{api:?}: {e}"));
+        for (linear_kernel, lora_shrink) in [
+            (LinearKernel::Auto, ShrinkKernel::Auto),
+            (LinearKernel::Tiled, ShrinkKernel::Split),
+        ] {
+            let options = EngineOptions {
+                linear_kernel,
+                lora_shrink,
+                ..EngineOptions::default()
+            };
+            let results = engine(&other, options)
+                .encode(&fixture_requests(), true)
+                .unwrap();
+            let on = format!(
+                "{}, {} linears, {} shrink",
+                other.description,
+                linear_kernel.name(),
+                lora_shrink.name()
+            );
+            // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4, as on the
+            // default API.
+            assert_matches_fixtures(&results, 1e-4, &on);
+            eprintln!("matches PEFT on {on}");
+        }
     }
 }
 
