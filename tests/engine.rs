@@ -101,9 +101,14 @@ fn a_mixed_batch_matches_peft_on_every_other_graphics_api() {
             "MMLORA_GRAPHICS_APIS asks for {api:?}, and wgpu finds adapters on {found:?} only"
         );
     }
-    let others = found
-        .into_iter()
-        .filter(|api| Some(*api) != gpu.graphics_api());
+    let others: Vec<WgpuBackend> = found
+        .iter()
+        .copied()
+        .filter(|api| Some(*api) != gpu.graphics_api())
+        .collect();
+    if others.is_empty() {
+        eprintln!("wgpu finds adapters on {found:?} only: no other graphics API to run on");
+    }
     for api in others {
         let other = device::gpu_on(api).unwrap_or_else(|e| panic!("{api:?}: {e}"));
         for (linear_kernel, lora_shrink) in [
