@@ -6,6 +6,7 @@ set -uo pipefail
 for f in .gl/*.deb; do dpkg -x "$f" /; done
 ldconfig
 export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
 export XDG_RUNTIME_DIR=/tmp CI=true WGPU_BACKEND=vulkan
 # The binaries find the fixtures under the path they were built in.
 mkdir -p /work && ln -sfn "$PWD" /work/main
@@ -24,9 +25,13 @@ step() { echo "== $1" >&2; shift; timeout "$@"; echo "== exit $?" >&2; }
     # model::gemm holds the cooperative-matrix kernel's test (coop_matches_float64), which
     # runs only where the adapter has cooperative matrices; `devices` says whether it has.
     step "linear kernel tests" 300 /tmp/bin/lib model::gemm --nocapture
-    step "engine tests" 300 /tmp/bin/engine
+    step "engine tests" 300 /tmp/bin/engine --skip every_other_graphics_api
     step "soak (200 batches)" 300 env MMLORA_SOAK_BATCHES=200 /tmp/bin/soak on_wgpu --nocapture
     step "device faults" 300 /tmp/bin/device_faults
+    # The fixture batch on NVIDIA's OpenGL ES (EGL) too, beside the Vulkan the rest runs on; last
+    # and on a short clock, since wgpu's GL backend can hang on a slow compile (BENCHMARKS.md).
+    step "engine on GL" 90 env MMLORA_GRAPHICS_APIS=vulkan,gl /tmp/bin/engine \
+        every_other_graphics_api --nocapture
 } 2>&1 | tee "$OUT/checks.log"
 # Numbers: the shapes (8 images of 448², 1–16 adapters, ranks 16 and 64; the op at
 # 256, 4096 and 8192 rows), the same in f16, Burn's matmul against our tiled linear kernel in
