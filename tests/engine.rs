@@ -339,6 +339,19 @@ fn bad_requests_are_refused_before_anything_runs() {
     });
     let error = engine.encode(&bad_patches, false).unwrap_err();
     assert!(error.to_string().contains("request4"), "{error}");
+    // Grids whose rows (2^64) or values (2^56 rows of 1176) overflow a usize: wrapped, the
+    // first would count 0 rows and pass for an empty buffer.
+    for grid_thw in [[1, 1 << 32, 1 << 32], [1, 1 << 28, 1 << 28]] {
+        bad_patches[4].image = ImageSource::Patches(mmlora::preprocess::Patches {
+            pixel_values: Vec::new(),
+            grid_thw,
+        });
+        let error = engine.encode(&bad_patches, false).unwrap_err();
+        assert!(
+            matches!(&error, EngineError::Patches { request, .. } if request == "request4"),
+            "{grid_thw:?}: {error}"
+        );
+    }
 
     // Still serving, with the same results.
     let results = engine.encode(&good, true).unwrap();

@@ -218,8 +218,9 @@ pub struct Engine {
     options: EngineOptions,
     registry: AdapterRegistry,
     slots: SlotTable,
-    /// The adapter whose weights are stacked in each slot of the model's layers.
-    stacked: Vec<Option<AdapterKey>>,
+    /// The adapter whose weights are stacked in each slot of the model's layers; `None` while
+    /// that is unknown (a restack that failed part way), so the next step restacks.
+    stacked: Option<Vec<Option<AdapterKey>>>,
     /// The folder the model was read from (none for a model built in memory).
     model_dir: Option<PathBuf>,
     /// Why the device was lost, once it was.
@@ -300,7 +301,7 @@ impl Engine {
             device,
             registry: AdapterRegistry::new(options.max_cpu_adapters),
             slots: SlotTable::new(options.max_loras),
-            stacked: vec![None; options.max_loras],
+            stacked: Some(vec![None; options.max_loras]),
             options,
             model_dir: None,
             lost: None,
@@ -386,6 +387,8 @@ impl Engine {
     /// Encodes `requests`, each with its own adapter, in as few steps as the limits allow, and
     /// returns one result per request in the same order. Everything is checked (ids, adapter
     /// names, images) before anything runs; with `with_tower` the tower's output comes back too.
+    /// An adapter whose weights were evicted from memory (`max_cpu_adapters`) is read back from
+    /// its folder at the step that needs it, and a folder that fails then fails the call.
     pub fn encode(
         &mut self,
         requests: &[Request],
@@ -536,7 +539,10 @@ impl Engine {
             &scheduled,
         )?
         .expect("a step schedules at least one image");
-        self.activate(&activation.adapters.iter().map(|a| a.id).collect::<Vec<_>>())?;
+        match self.activate(&activation.adapters.iter().map(|a| a.id).collect::<Vec<_>>()) {
+            Err(EngineError::Execution(reason)) => return Err(self.device_failure(reason)),
+            other => other?,
+        }
         let tower_meta = KernelMeta::from_mapping(&activation.tower, &self.slots)?;
         let connector_meta = KernelMeta::from_mapping(
             activation
@@ -681,7 +687,8 @@ impl Engine {
     }
 
     /// Puts `wanted` in GPU slots, freeing slots of adapters this step does not use only as
-    /// needed, and restacks the model's LoRA weights when the slots changed.
+    /// needed, and restacks the model's LoRA weights when the slots changed. A fault while
+    /// uploading them is an [`EngineError::Execution`], after which the next step restacks.
     fn activate(&mut self, wanted: &[AdapterKey]) -> Result<(), EngineError> {
         let n = self.slots.num_slots();
         // Slots whose weights left memory cannot be restacked: free them.
@@ -710,16 +717,20 @@ impl Engine {
             self.slots.activate(id)?;
         }
         let current: Vec<Option<AdapterKey>> = (0..n).map(|s| self.slots.adapter_in(s)).collect();
-        if current != self.stacked {
+        if self.stacked.as_ref() != Some(&current) {
             let adapters: Vec<Option<Arc<PeftAdapter>>> = current
                 .iter()
                 .map(|id| id.and_then(|id| self.registry.get(id).cloned()))
                 .collect();
             let slotted: Vec<Option<&PeftAdapter>> =
                 adapters.iter().map(|a| a.as_deref()).collect();
-            install(&mut self.model, &slotted, &self.device.device);
+            self.stacked = None;
+            catch_unwind(AssertUnwindSafe(|| {
+                install(&mut self.model, &slotted, &self.device.device)
+            }))
+            .map_err(|panic| EngineError::Execution(panic_message(&panic)))?;
             tracing::debug!(slots = ?current, "adapters restacked");
-            self.stacked = current;
+            self.stacked = Some(current);
         }
         Ok(())
     }
@@ -770,7 +781,7 @@ fn request_patches(
             "grid {:?} is empty or not a multiple of the merge size {m}",
             patches.grid_thw
         ))
-    } else if patches.pixel_values.len() != patches.rows() * config.patch_len() {
+    } else if patches.pixel_values.len() != patches.rows().saturating_mul(config.patch_len()) {
         Some(format!(
             "{} pixel values do not make {} rows of {}",
             patches.pixel_values.len(),

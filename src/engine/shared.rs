@@ -1,7 +1,8 @@
 //! One engine for many threads: a cloneable handle that is `Send + Sync`.
 //!
 //! Image files are decoded and adapter folders read and validated on the calling thread,
-//! outside the lock, so threads overlap their file work. The device work of an `encode` call
+//! outside the lock, so threads overlap their file work (an adapter evicted from memory is
+//! read back inside it, by the step that needs it). The device work of an `encode` call
 //! and every change to the set of adapters take one lock, so a call runs entirely with the
 //! adapters as they were when its device work began: never with a half-loaded adapter, and a
 //! name loaded again with new content serves that content from the next call on.

@@ -202,10 +202,17 @@ pub struct Patches {
 }
 
 impl Patches {
-    /// Rows (patches).
+    /// Rows (patches); `usize::MAX` for a grid whose product overflows, which no pixel buffer
+    /// can match.
     pub fn rows(&self) -> usize {
-        self.grid_thw.iter().product()
+        grid_rows(&self.grid_thw)
     }
+}
+
+/// The rows of a `(t, h, w)` grid, saturating at `usize::MAX` where the product overflows (a
+/// grid given by a caller is checked against its pixel values with this).
+pub fn grid_rows(grid_thw: &[usize; 3]) -> usize {
+    grid_thw.iter().fold(1, |rows, &n| rows.saturating_mul(n))
 }
 
 /// The most pixels an image file may declare before it is decoded.

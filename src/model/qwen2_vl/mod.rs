@@ -19,6 +19,7 @@ use crate::model::checkpoint::{Checkpoint, CheckpointError};
 use crate::model::linear_choice::LinearChoice;
 use crate::model::rope;
 use crate::model::stages::{Stage, StageClock};
+use crate::preprocess::grid_rows;
 pub use config::{ConfigError, LoraTarget, VisionConfig};
 
 /// LayerNorm epsilon of every norm in the tower and merger.
@@ -337,7 +338,9 @@ impl Qwen2VlVision {
         connector: &LoraBatch,
     ) -> Result<VisionOutput, ModelError> {
         let [rows, len] = pixel_values.dims();
-        let expected_rows: usize = grids.iter().map(|g| g.iter().product::<usize>()).sum();
+        let expected_rows = grids
+            .iter()
+            .fold(0usize, |rows, grid| rows.saturating_add(grid_rows(grid)));
         let m = self.config.spatial_merge_size;
         if len != self.config.patch_len() || rows != expected_rows {
             return Err(ModelError::Input(format!(
