@@ -4,8 +4,9 @@
 //! Keys look like `base_model.model.visual.blocks.0.attn.qkv.lora_A.weight` (`[r, in]`) and
 //! `….lora_B.weight` (`[out, r]`); newer transformers write `base_model.model.model.visual.…`.
 //! Keys outside the vision tower (a language-model LoRA in the same adapter) are not ours to
-//! run and are skipped. DoRA, `modules_to_save`, bias training, unknown modules, shapes that do
-//! not fit and ranks above `max_rank` are refused with the adapter and key named.
+//! run and are skipped. DoRA, `modules_to_save`, bias training, initialisations that rewrite the
+//! base weights (PiSSA and the like, unless converted), unknown modules, shapes that do not fit
+//! and ranks above `max_rank` are refused with the adapter and key named.
 
 pub mod registry;
 
@@ -13,7 +14,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{Device, Tensor, TensorData};
-use regex::Regex;
+use fancy_regex::Regex;
+use indexmap::IndexMap;
 use safetensors::SafeTensors;
 use serde::Deserialize;
 
@@ -27,7 +29,7 @@ use crate::model::qwen2_vl::{LoraTarget, Qwen2VlVision};
 pub enum TargetModules {
     /// Suffixes such as `qkv` or `mlp.0`.
     List(Vec<String>),
-    /// A regex matched against whole module names.
+    /// A regex (Python's syntax, look-around included) matched against whole module names.
     Regex(String),
 }
 
@@ -46,12 +48,13 @@ pub struct AdapterConfig {
     pub use_rslora: bool,
     /// Which modules the adapter targets.
     pub target_modules: Option<TargetModules>,
-    /// Per-module rank overrides (keys are regex suffixes of module names).
+    /// Per-module rank overrides (keys are regex suffixes of module names), in the file's
+    /// order: as in PEFT, the first key that matches a module wins.
     #[serde(default)]
-    pub rank_pattern: HashMap<String, usize>,
-    /// Per-module alpha overrides.
+    pub rank_pattern: IndexMap<String, usize>,
+    /// Per-module alpha overrides, in the file's order like `rank_pattern`.
     #[serde(default)]
-    pub alpha_pattern: HashMap<String, f64>,
+    pub alpha_pattern: IndexMap<String, f64>,
     /// DoRA (refused).
     #[serde(default)]
     pub use_dora: bool,
@@ -61,6 +64,10 @@ pub struct AdapterConfig {
     /// Bias training (`none` only).
     #[serde(default)]
     pub bias: Option<String>,
+    /// How PEFT initialises the adapter: `true`, `false` or a method's name (those that
+    /// rewrite the base weights are refused).
+    #[serde(default)]
+    pub init_lora_weights: Option<serde_json::Value>,
 }
 
 /// One module's LoRA with the scale folded into B.
@@ -185,13 +192,15 @@ impl PeftAdapter {
             reason,
         };
 
-        // Pair up lora_A and lora_B per module.
-        let mut pairs: BTreeMap<String, [Option<String>; 2]> = BTreeMap::new();
+        // Pair up lora_A and lora_B per module, keeping the module's name as the keys spell it
+        // (`model.visual.…` from transformers 5, `visual.…` from 4): PEFT matched the
+        // config's patterns against that name.
+        let mut pairs: BTreeMap<String, KeyPair> = BTreeMap::new();
         for key in file.names() {
             let inner = key.strip_prefix("base_model.model.").unwrap_or(key);
-            let Some(module_key) = inner
-                .strip_prefix("model.visual.")
-                .or_else(|| inner.strip_prefix("visual."))
+            let Some((prefix, module_key)) = ["model.visual.", "visual."]
+                .into_iter()
+                .find_map(|prefix| Some((prefix, inner.strip_prefix(prefix)?)))
             else {
                 continue; // outside the vision tower: not ours to run
             };
@@ -200,11 +209,7 @@ impl PeftAdapter {
             } else if let Some(path) = module_key.strip_suffix(".lora_B.weight") {
                 (path, 1)
             } else {
-                return Err(incompatible(
-                    key,
-                    "not a lora_A/lora_B weight (DoRA magnitudes, biases and embeddings are not supported)"
-                        .to_owned(),
-                ));
+                return Err(incompatible(key, unexpected_key(module_key)));
             };
             if !by_path.contains_key(path) {
                 return Err(incompatible(
@@ -212,13 +217,26 @@ impl PeftAdapter {
                     format!("`{path}` is not a LoRA target of this model"),
                 ));
             }
-            if !covered.covers(path) {
+            if !covered
+                .covers(path)
+                .map_err(|reason| unsupported(&config_path, reason))?
+            {
                 return Err(incompatible(
                     key,
                     format!("`{path}` is not among the config's target_modules"),
                 ));
             }
-            pairs.entry(path.to_owned()).or_default()[side] = Some(key.to_owned());
+            let pair = pairs.entry(path.to_owned()).or_insert_with(|| KeyPair {
+                module: format!("{prefix}{path}"),
+                keys: [None, None],
+            });
+            if let Some(first) = &pair.keys[side] {
+                return Err(incompatible(
+                    key,
+                    format!("a second weight for `{path}` beside `{first}`"),
+                ));
+            }
+            pair.keys[side] = Some(key.to_owned());
         }
         if pairs.is_empty() {
             return Err(unsupported(
@@ -228,19 +246,22 @@ impl PeftAdapter {
         }
 
         let mut modules = BTreeMap::new();
-        for (path, [a_key, b_key]) in pairs {
+        for (path, KeyPair { module, keys }) in pairs {
             let target = by_path[path.as_str()];
-            let (Some(a_key), Some(b_key)) = (a_key.clone(), b_key.clone()) else {
-                let present = a_key.or(b_key).unwrap_or_default();
+            let [Some(a_key), Some(b_key)] = keys.clone() else {
+                let present = keys.into_iter().flatten().next().unwrap_or_default();
                 return Err(incompatible(
                     &present,
                     "its lora_A/lora_B partner is missing".to_owned(),
                 ));
             };
-            let full_name = format!("model.visual.{path}");
-            let rank = rank_pattern.lookup(&full_name).unwrap_or(config.r);
+            let rank = rank_pattern
+                .lookup(&module)
+                .map_err(|reason| unsupported(&config_path, reason))?
+                .unwrap_or(config.r);
             let alpha = alpha_pattern
-                .lookup(&full_name)
+                .lookup(&module)
+                .map_err(|reason| unsupported(&config_path, reason))?
                 .unwrap_or(config.lora_alpha);
             if rank == 0 || rank > max_rank {
                 return Err(incompatible(
@@ -367,6 +388,18 @@ impl AdapterConfig {
         if let Some(bias) = self.bias.as_deref().filter(|b| *b != "none") {
             return Some(format!("bias = {bias} (trained biases) is not supported"));
         }
+        if let Some(init) = self
+            .init_lora_weights
+            .as_ref()
+            .and_then(|init| init.as_str())
+            .filter(|init| rewrites_base_weights(init))
+        {
+            return Some(format!(
+                "init_lora_weights = {init}: PEFT rewrites the base weights when it loads such an \
+                 adapter, which adapters sharing one base cannot do; convert it to a plain LoRA \
+                 (PEFT's save_pretrained with path_initial_model_for_weight_conversion)"
+            ));
+        }
         if self.r == 0 {
             return Some("r is 0".to_owned());
         }
@@ -390,6 +423,14 @@ impl AdapterConfig {
     }
 }
 
+/// Whether PEFT, loading an adapter initialised by `init`, rewrites the base layer's weights
+/// (PiSSA, CorDA, OLoRA and LoRA-GA subtract the initial product; LoftQ quantises).
+fn rewrites_base_weights(init: &str) -> bool {
+    let init = init.to_ascii_lowercase();
+    ["pissa", "corda"].iter().any(|m| init.starts_with(m))
+        || ["olora", "loftq", "lora_ga"].contains(&init.as_str())
+}
+
 /// The error for an unreadable file of adapter `name`.
 fn io_error<'a>(name: &'a str, path: &'a Path) -> impl FnOnce(std::io::Error) -> AdapterError + 'a {
     move |source| AdapterError::Io {
@@ -408,32 +449,60 @@ fn format_error(name: &str, path: &Path, reason: String) -> AdapterError {
     }
 }
 
+/// A module's `lora_A` and `lora_B` keys, and its name as they spell it.
+struct KeyPair {
+    module: String,
+    keys: [Option<String>; 2],
+}
+
+/// Why a key under the vision tower is not a LoRA weight mmlora runs.
+fn unexpected_key(module_key: &str) -> String {
+    let what = if module_key.contains("lora_magnitude_vector") {
+        "a DoRA magnitude vector"
+    } else if module_key.ends_with(".lora_B.bias") {
+        "a trained LoRA bias (lora_bias)"
+    } else if module_key.contains("lora_embedding_") {
+        "an embedding LoRA"
+    } else if module_key.contains(".lora_A.") || module_key.contains(".lora_B.") {
+        "a LoRA weight under an adapter name (`lora_A.<name>.weight`; PEFT's save_pretrained \
+         writes `lora_A.weight`)"
+    } else {
+        "neither a lora_A nor a lora_B weight"
+    };
+    format!("{what}, which mmlora does not run")
+}
+
 /// PEFT's `rank_pattern` / `alpha_pattern`, compiled once: key `k` matches a module name when
-/// `^(.*\.)?k$` does; keys are tried in sorted order so several matches resolve the same way.
+/// Python's `re.match(r"(.*\.)?(k)$", name)` does, and the first matching key in the file's
+/// order gives the value.
 struct Pattern<T> {
-    rules: Vec<(Regex, T)>,
+    /// Each key, compiled, and its value.
+    rules: Vec<(String, Regex, T)>,
 }
 
 impl<T: Copy> Pattern<T> {
-    fn compile(patterns: &HashMap<String, T>) -> Result<Self, String> {
-        let mut keys: Vec<&String> = patterns.keys().collect();
-        keys.sort();
-        let rules = keys
-            .into_iter()
-            .map(|key| {
+    fn compile(patterns: &IndexMap<String, T>) -> Result<Self, String> {
+        let rules = patterns
+            .iter()
+            .map(|(key, &value)| {
                 Regex::new(&format!(r"^(.*\.)?(?:{key})$"))
-                    .map(|re| (re, patterns[key]))
+                    .map(|re| (key.clone(), re, value))
                     .map_err(|e| format!("pattern key `{key}` is not a valid regex: {e}"))
             })
             .collect::<Result<_, _>>()?;
         Ok(Self { rules })
     }
 
-    fn lookup(&self, module: &str) -> Option<T> {
-        self.rules
-            .iter()
-            .find(|(re, _)| re.is_match(module))
-            .map(|&(_, value)| value)
+    /// The value of the first key that matches `module`, if any.
+    fn lookup(&self, module: &str) -> Result<Option<T>, String> {
+        for (key, re, value) in &self.rules {
+            if re.is_match(module).map_err(|e| {
+                format!("pattern key `{key}` cannot be matched against `{module}`: {e}")
+            })? {
+                return Ok(Some(*value));
+            }
+        }
+        Ok(None)
     }
 }
 
@@ -459,18 +528,28 @@ impl TargetFilter {
         })
     }
 
-    /// Whether the target at `path` (`blocks.0.attn.qkv`) is covered.
-    fn covers(&self, path: &str) -> bool {
+    /// Whether the target at `path` (`blocks.0.attn.qkv`) is covered; a regex that cannot be
+    /// run to the end (fancy-regex's backtracking limit) is an error.
+    fn covers(&self, path: &str) -> Result<bool, String> {
         let names = [format!("model.visual.{path}"), format!("visual.{path}")];
-        match self {
+        Ok(match self {
             Self::All => true,
-            Self::Regex(re) => names.iter().any(|name| re.is_match(name)),
+            Self::Regex(re) => {
+                for name in &names {
+                    if re.is_match(name).map_err(|e| {
+                        format!("target_modules cannot be matched against `{name}`: {e}")
+                    })? {
+                        return Ok(true);
+                    }
+                }
+                false
+            }
             Self::Suffixes(suffixes) => suffixes.iter().any(|suffix| {
                 names[0]
                     .strip_suffix(suffix.as_str())
                     .is_some_and(|head| head.is_empty() || head.ends_with('.'))
             }),
-        }
+        })
     }
 }
 
@@ -526,5 +605,147 @@ pub fn install(model: &mut Qwen2VlVision, slots: &[Option<&PeftAdapter>], device
             .target_mut(&target.path)
             .expect("lora_targets lists the model's own layers")
             .set_lora(slice);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use safetensors::{Dtype, tensor::TensorView};
+
+    use super::*;
+
+    const RANK: usize = 2;
+    const IN: usize = 4;
+    const OUT: usize = 6;
+
+    /// A block's qkv and the merger's first linear, both `IN → OUT`.
+    fn targets() -> Vec<LoraTarget> {
+        ["blocks.0.attn.qkv", "merger.mlp.0"]
+            .map(|path| LoraTarget {
+                path: path.to_owned(),
+                in_features: IN,
+                out_features: OUT,
+                connector: path.starts_with("merger"),
+            })
+            .to_vec()
+    }
+
+    /// Loads an adapter of `config` whose file holds `keys`, each of the shape its side needs
+    /// (lora_A `[RANK, IN]`, anything else `[OUT, RANK]`) and every value 1.
+    fn load(config: &str, keys: &[&str]) -> Result<PeftAdapter, AdapterError> {
+        let shapes: Vec<Vec<usize>> = keys
+            .iter()
+            .map(|key| match key.contains("lora_A") {
+                true => vec![RANK, IN],
+                false => vec![OUT, RANK],
+            })
+            .collect();
+        let bytes: Vec<Vec<u8>> = shapes
+            .iter()
+            .map(|shape| bytemuck::cast_slice(&vec![1.0f32; shape.iter().product()]).to_vec())
+            .collect();
+        let views = keys
+            .iter()
+            .zip(&shapes)
+            .zip(&bytes)
+            .map(|((key, shape), bytes)| {
+                (
+                    *key,
+                    TensorView::new(Dtype::F32, shape.clone(), bytes).unwrap(),
+                )
+            });
+        let file = safetensors::serialize(views, None).unwrap();
+        let dir = Path::new("/adapters/test");
+        let config = AdapterConfig::parse("test", &dir.join("adapter_config.json"), config)?;
+        PeftAdapter::from_safetensors("test", dir, config, &file, &targets(), 64)
+    }
+
+    /// Both keys of a module, under `prefix` (`model.visual.` or `visual.`).
+    fn pair(prefix: &str, path: &str) -> [String; 2] {
+        ["A", "B"].map(|side| format!("base_model.model.{prefix}{path}.lora_{side}.weight"))
+    }
+
+    fn scale_of(adapter: &PeftAdapter, path: &str) -> f64 {
+        adapter.modules[path].scale
+    }
+
+    #[test]
+    fn patterns_take_the_first_key_that_matches_in_the_files_order() {
+        let keys = pair("model.visual.", "blocks.0.attn.qkv");
+        let keys = [keys[0].as_str(), keys[1].as_str()];
+        // PEFT's get_pattern_key: `qkv` comes first and matches, so it wins over the longer key.
+        let first =
+            r#"{"r": 2, "lora_alpha": 2, "alpha_pattern": {"qkv": 32, "blocks.0.attn.qkv": 8}}"#;
+        assert_eq!(
+            scale_of(&load(first, &keys).unwrap(), "blocks.0.attn.qkv"),
+            16.0
+        );
+        let second =
+            r#"{"r": 2, "lora_alpha": 2, "alpha_pattern": {"blocks.0.attn.qkv": 8, "qkv": 32}}"#;
+        assert_eq!(
+            scale_of(&load(second, &keys).unwrap(), "blocks.0.attn.qkv"),
+            4.0
+        );
+    }
+
+    #[test]
+    fn patterns_match_the_module_name_as_the_keys_spell_it() {
+        // An adapter trained under transformers 4: its modules are `visual.…`.
+        let config = r#"{"r": 2, "lora_alpha": 2, "alpha_pattern": {"^visual\\.merger.*": 64}}"#;
+        for (prefix, scale) in [("visual.", 32.0), ("model.visual.", 1.0)] {
+            let keys = pair(prefix, "merger.mlp.0");
+            let adapter = load(config, &[&keys[0], &keys[1]]).unwrap();
+            assert_eq!(scale_of(&adapter, "merger.mlp.0"), scale, "{prefix}");
+        }
+    }
+
+    #[test]
+    fn target_modules_may_look_around_as_ms_swift_writes_them() {
+        // ms-swift's form: tower linears but not the merger's, then the merger's by index.
+        let config = r#"{"r": 2, "lora_alpha": 2, "target_modules":
+            "^(model\\.visual(?=\\.)(?!\\.merger).*\\.(qkv|proj)|model\\.visual\\.merger(?=\\.).*\\.(0|2))$"}"#;
+        let [qkv_a, qkv_b] = pair("model.visual.", "blocks.0.attn.qkv");
+        let [mlp_a, mlp_b] = pair("model.visual.", "merger.mlp.0");
+        let adapter = load(config, &[&qkv_a, &qkv_b, &mlp_a, &mlp_b]).unwrap();
+        assert_eq!(adapter.modules.len(), 2);
+
+        // A look-ahead that excludes the block: its keys are refused.
+        let excluding = config.replace(r"(?!\\.merger)", r"(?!\\.blocks\\.0\\.)");
+        let error = load(&excluding, &[&qkv_a, &qkv_b]).unwrap_err().to_string();
+        assert!(
+            error.contains("not among the config's target_modules"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_module_spelled_twice_is_refused() {
+        let [t5_a, t5_b] = pair("model.visual.", "blocks.0.attn.qkv");
+        let [t4_a, _] = pair("visual.", "blocks.0.attn.qkv");
+        let error = load(r#"{"r": 2, "lora_alpha": 2}"#, &[&t5_a, &t5_b, &t4_a])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("a second weight for `blocks.0.attn.qkv`"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn unexpected_keys_are_refused_with_what_they_are() {
+        let [a, b] = pair("model.visual.", "blocks.0.attn.qkv");
+        for (key, what) in [
+            (
+                a.replace("lora_A.weight", "lora_A.default.weight"),
+                "adapter name",
+            ),
+            (a.replace("lora_A.weight", "lora_magnitude_vector"), "DoRA"),
+            (b.replace("lora_B.weight", "lora_B.bias"), "lora_bias"),
+        ] {
+            let error = load(r#"{"r": 2, "lora_alpha": 2}"#, &[&key, &b])
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains(what) && error.contains(&key), "{error}");
+        }
     }
 }

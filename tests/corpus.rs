@@ -437,6 +437,18 @@ fn cases() -> Vec<Case> {
                 edit_json(&a.join(ADAPTER_CONFIG), |c| c["lora_alpha"] = 0.into())
             })
         }),
+        case(
+            "PiSSA not converted",
+            Adapter,
+            &[ADAPTER_CONFIG, "init_lora_weights = pissa_niter_4"],
+            |d| {
+                adapter(d, "all-r4", |a| {
+                    edit_json(&a.join(ADAPTER_CONFIG), |c| {
+                        c["init_lora_weights"] = "pissa_niter_4".into()
+                    })
+                })
+            },
+        ),
         case("DoRA", Adapter, &[ADAPTER_CONFIG, "DoRA"], |d| {
             adapter(d, "all-r4", |a| {
                 edit_json(&a.join(ADAPTER_CONFIG), |c| c["use_dora"] = true.into())
