@@ -322,6 +322,23 @@ fn bad_arguments_fail_with_a_readable_error_and_leave_no_output() {
         text(&out.stderr)
     );
     assert!(!preprocessed.exists());
+
+    // A model folder that is not there is an error, not the processor's defaults.
+    let out = mmlora(&[
+        "preprocess",
+        &square,
+        "--model",
+        "/nonexistent-model",
+        "--out",
+        preprocessed.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("/nonexistent-model/preprocessor_config.json"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(!preprocessed.exists());
 }
 
 #[test]

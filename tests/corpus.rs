@@ -372,6 +372,30 @@ fn cases() -> Vec<Case> {
                 })
             },
         ),
+        case(
+            "processor resamples otherwise",
+            Model,
+            &["preprocessor_config.json", "resample"],
+            |d| {
+                model(d, |m| {
+                    edit_json(&m.join("preprocessor_config.json"), |p| {
+                        p["resample"] = 2.into()
+                    })
+                })
+            },
+        ),
+        case(
+            "processor patch 0",
+            Model,
+            &["preprocessor_config.json", "patch_size", "is 0"],
+            |d| {
+                model(d, |m| {
+                    edit_json(&m.join("preprocessor_config.json"), |p| {
+                        p["patch_size"] = 0.into()
+                    })
+                })
+            },
+        ),
         // Adapter folders.
         case(
             "no adapter_config.json",

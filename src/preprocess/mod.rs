@@ -61,7 +61,16 @@ struct ConfigFile {
     rescale_factor: Option<f64>,
     image_mean: Option<[f32; 3]>,
     image_std: Option<[f32; 3]>,
+    do_resize: Option<bool>,
+    do_rescale: Option<bool>,
+    do_normalize: Option<bool>,
+    do_convert_rgb: Option<bool>,
+    /// PIL's resampling filter; 3 is bicubic.
+    resample: Option<u32>,
 }
+
+/// Pillow's number for bicubic resampling, the only filter mmlora implements.
+const PIL_BICUBIC: u32 = 3;
 
 #[derive(Debug, Deserialize)]
 struct SizeField {
@@ -130,6 +139,16 @@ pub enum PreprocessError {
         /// Why.
         source: serde_json::Error,
     },
+    /// `preprocessor_config.json` holds a value the processor cannot run.
+    #[error("{path}: `{key}` {reason}")]
+    Setting {
+        /// The file.
+        path: PathBuf,
+        /// The key.
+        key: &'static str,
+        /// Why.
+        reason: String,
+    },
 }
 
 impl PreprocessError {
@@ -152,21 +171,34 @@ impl PreprocessError {
 }
 
 impl PreprocessConfig {
-    /// The settings in `dir/preprocessor_config.json`, or the defaults when there is none.
+    /// The settings in `dir/preprocessor_config.json`, or the defaults when the folder has
+    /// none; settings the processor cannot run are refused with their key.
     pub fn from_model_dir(dir: &Path) -> Result<Self, PreprocessError> {
         let path = dir.join("preprocessor_config.json");
-        if !path.exists() {
-            return Ok(Self::default());
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && dir.is_dir() => {
+                return Ok(Self::default());
+            }
+            Err(source) => return Err(PreprocessError::Io { path, source }),
+        };
+        let file: ConfigFile =
+            serde_json::from_str(&text).map_err(|source| PreprocessError::Config {
+                path: path.clone(),
+                source,
+            })?;
+        let config = Self::from_file(&file);
+        match config.problem(&file) {
+            Some((key, reason)) => Err(PreprocessError::Setting { path, key, reason }),
+            None => Ok(config),
         }
-        let text = std::fs::read_to_string(&path).map_err(|source| PreprocessError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        let file: ConfigFile = serde_json::from_str(&text)
-            .map_err(|source| PreprocessError::Config { path, source })?;
+    }
+
+    /// The file's settings, with the defaults where it has none.
+    fn from_file(file: &ConfigFile) -> Self {
         let default = Self::default();
         let size = file.size.as_ref();
-        Ok(Self {
+        Self {
             min_pixels: file
                 .min_pixels
                 .or(size.and_then(|s| s.shortest_edge))
@@ -183,7 +215,94 @@ impl PreprocessConfig {
             rescale_factor: file.rescale_factor.unwrap_or(default.rescale_factor),
             image_mean: file.image_mean.unwrap_or(default.image_mean),
             image_std: file.image_std.unwrap_or(default.image_std),
-        })
+        }
+    }
+
+    /// The first setting (key and why) that the processor cannot run, if any.
+    fn problem(&self, file: &ConfigFile) -> Option<(&'static str, String)> {
+        let switches = [
+            ("do_resize", file.do_resize),
+            ("do_rescale", file.do_rescale),
+            ("do_normalize", file.do_normalize),
+            ("do_convert_rgb", file.do_convert_rgb),
+        ];
+        if let Some((key, _)) = switches.iter().find(|(_, on)| *on == Some(false)) {
+            return Some((key, "is false; mmlora always runs that step".to_owned()));
+        }
+        if let Some(filter) = file.resample.filter(|&f| f != PIL_BICUBIC) {
+            return Some((
+                "resample",
+                format!("is {filter}; mmlora resizes bicubic ({PIL_BICUBIC}) only"),
+            ));
+        }
+        // transformers takes `size` whole: a key it lacks is not filled in from the defaults.
+        if let Some(size) = &file.size {
+            let missing = [
+                (
+                    "shortest_edge",
+                    "min_pixels",
+                    size.shortest_edge,
+                    file.min_pixels,
+                ),
+                (
+                    "longest_edge",
+                    "max_pixels",
+                    size.longest_edge,
+                    file.max_pixels,
+                ),
+            ];
+            if let Some((edge, pixels, ..)) = missing
+                .iter()
+                .find(|(.., in_size, top_level)| in_size.is_none() && top_level.is_none())
+            {
+                return Some(("size", format!("has no {edge} (and there is no {pixels})")));
+            }
+        }
+        let sizes = [
+            ("min_pixels", self.min_pixels),
+            ("patch_size", self.patch_size),
+            ("temporal_patch_size", self.temporal_patch_size),
+            ("merge_size", self.merge_size),
+            ("max_pixels", self.max_pixels),
+        ];
+        if let Some((key, _)) = sizes.iter().find(|(_, n)| *n == 0) {
+            return Some((key, "is 0".to_owned()));
+        }
+        if self.min_pixels as u64 > MAX_DECODED_PIXELS {
+            return Some((
+                "min_pixels",
+                format!(
+                    "{} is above the {MAX_DECODED_PIXELS} pixels an image may have",
+                    self.min_pixels
+                ),
+            ));
+        }
+        if self.min_pixels > self.max_pixels {
+            return Some((
+                "min_pixels",
+                format!(
+                    "{} is above max_pixels {}",
+                    self.min_pixels, self.max_pixels
+                ),
+            ));
+        }
+        if !(self.rescale_factor.is_finite() && self.rescale_factor > 0.0) {
+            return Some((
+                "rescale_factor",
+                format!("{} is not a positive number", self.rescale_factor),
+            ));
+        }
+        if let Some(std) = self
+            .image_std
+            .iter()
+            .find(|s| !(s.is_finite() && **s > 0.0))
+        {
+            return Some(("image_std", format!("holds {std}, not a positive number")));
+        }
+        if let Some(mean) = self.image_mean.iter().find(|m| !m.is_finite()) {
+            return Some(("image_mean", format!("holds {mean}")));
+        }
+        None
     }
 
     /// Values per patch row: channels × frames × patch².
@@ -272,11 +391,63 @@ pub fn load_image(path: &Path) -> Result<RgbImage, PreprocessError> {
     let mut limits = Limits::default();
     limits.max_alloc = Some(MAX_DECODED_PIXELS * 16);
     decoder.set_limits(limits).map_err(decode)?;
+    let key = match image::guess_format(&bytes) {
+        Ok(ImageFormat::Png) => {
+            png_colour_key(&bytes).map_err(|reason| PreprocessError::Decode {
+                path: path.to_owned(),
+                reason,
+            })?
+        }
+        _ => None,
+    };
     let decoded = DynamicImage::from_decoder(decoder).map_err(decode)?;
-    Ok(if decoded.color().has_alpha() {
-        composite_on_white(&decoded.to_rgba8())
-    } else {
-        decoded.to_rgb8()
+    Ok(match key {
+        Some(ColourKey::Rgb) => decoded.to_rgb8(),
+        Some(ColourKey::Gray(key)) => {
+            let gray = decoded.to_luma8();
+            RgbImage::from_fn(gray.width(), gray.height(), |x, y| {
+                let [value] = gray.get_pixel(x, y).0;
+                image::Rgb(if u16::from(value) == key {
+                    [255; 3]
+                } else {
+                    [value; 3]
+                })
+            })
+        }
+        None if decoded.color().has_alpha() => composite_on_white(&decoded.to_rgba8()),
+        None => decoded.to_rgb8(),
+    })
+}
+
+/// A PNG's tRNS colour key (one colour made transparent) as Pillow reads it; `image` turns it
+/// into an alpha channel, which would be composited onto white like any other.
+enum ColourKey {
+    /// An RGB image: Pillow opens it as RGB, which transformers passes on untouched.
+    Rgb,
+    /// A grayscale image: Pillow makes the 8-bit samples equal to the raw key transparent,
+    /// comparing before it scales samples of 1, 2 or 4 bits (so `0` is the only key that
+    /// matches at those depths).
+    Gray(u16),
+}
+
+/// The colour key of the PNG in `bytes`, if it has one (palette transparency is an alpha table,
+/// not a key: `image` reads it as Pillow does).
+fn png_colour_key(bytes: &[u8]) -> Result<Option<ColourKey>, String> {
+    let reader = png::Decoder::new(std::io::Cursor::new(bytes))
+        .read_info()
+        .map_err(|e| e.to_string())?;
+    let info = reader.info();
+    let Some(trns) = info.trns.as_deref() else {
+        return Ok(None);
+    };
+    Ok(match (info.color_type, trns) {
+        (png::ColorType::Rgb, _) => Some(ColourKey::Rgb),
+        // The png crate keeps the key's low byte below 16 bits (the high byte must be 0 there).
+        (png::ColorType::Grayscale, [low]) => Some(ColourKey::Gray(u16::from(*low))),
+        (png::ColorType::Grayscale, [high, low, ..]) => {
+            Some(ColourKey::Gray(u16::from_be_bytes([*high, *low])))
+        }
+        _ => None,
     })
 }
 
@@ -593,6 +764,111 @@ mod tests {
         assert_eq!(
             patches.pixel_values[..frame],
             patches.pixel_values[frame..2 * frame]
+        );
+    }
+
+    /// A one-row PNG of `color` and `depth` holding `data`, with the tRNS chunk `trns`.
+    fn png_with_key(
+        width: u32,
+        color: png::ColorType,
+        depth: png::BitDepth,
+        data: &[u8],
+        trns: &[u8],
+    ) -> tempfile::NamedTempFile {
+        let file = tempfile::Builder::new().suffix(".png").tempfile().unwrap();
+        let mut encoder = png::Encoder::new(file.reopen().unwrap(), width, 1);
+        encoder.set_color(color);
+        encoder.set_depth(depth);
+        encoder.set_trns(trns.to_vec());
+        encoder
+            .write_header()
+            .unwrap()
+            .write_image_data(data)
+            .unwrap();
+        file
+    }
+
+    /// The red channel of each pixel of the row.
+    fn reds(image: &RgbImage) -> Vec<u8> {
+        image.pixels().map(|p| p.0[0]).collect()
+    }
+
+    #[test]
+    fn colour_keys_are_read_as_pillow_reads_them() {
+        use png::{BitDepth, ColorType};
+        // Each expected row is what Pillow 11.3 and transformers' convert_to_rgb give.
+        // 2-bit gray 0, 1, 2, 3: only key 0 matches a scaled sample (0, 85, 170, 255).
+        let two_bit = [0b0001_1011];
+        for (key, expected) in [(0, [255, 85, 170, 255]), (1, [0, 85, 170, 255])] {
+            let file = png_with_key(4, ColorType::Grayscale, BitDepth::Two, &two_bit, &[0, key]);
+            assert_eq!(
+                reds(&load_image(file.path()).unwrap()),
+                expected,
+                "key {key}"
+            );
+        }
+        // 8-bit gray: the sample equal to the key turns white.
+        let file = png_with_key(
+            4,
+            ColorType::Grayscale,
+            BitDepth::Eight,
+            &[0, 7, 100, 255],
+            &[0, 7],
+        );
+        assert_eq!(reds(&load_image(file.path()).unwrap()), [0, 255, 100, 255]);
+        // RGB: Pillow opens it as RGB, and transformers leaves RGB images alone.
+        let file = png_with_key(
+            2,
+            ColorType::Rgb,
+            BitDepth::Eight,
+            &[10, 20, 30, 1, 2, 3],
+            &[0, 10, 0, 20, 0, 30],
+        );
+        let image = load_image(file.path()).unwrap();
+        assert_eq!(image.as_raw(), &[10, 20, 30, 1, 2, 3]);
+    }
+
+    #[test]
+    fn processor_settings_it_cannot_run_are_refused_by_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let read = |json: &str| {
+            std::fs::write(dir.path().join("preprocessor_config.json"), json).unwrap();
+            PreprocessConfig::from_model_dir(dir.path())
+        };
+        for (json, key) in [
+            (r#"{"resample": 2}"#, "resample"),
+            (r#"{"do_normalize": false}"#, "do_normalize"),
+            (r#"{"do_convert_rgb": false}"#, "do_convert_rgb"),
+            (r#"{"size": {"shortest_edge": 3136}}"#, "size"),
+            (r#"{"min_pixels": 0}"#, "min_pixels"),
+            (r#"{"min_pixels": 4000, "max_pixels": 3000}"#, "min_pixels"),
+            (r#"{"merge_size": 0}"#, "merge_size"),
+            (r#"{"image_std": [0.2, 0.0, 0.2]}"#, "image_std"),
+        ] {
+            match read(json) {
+                Err(PreprocessError::Setting { key: refused, .. }) => {
+                    assert_eq!(refused, key, "{json}")
+                }
+                other => panic!("{json}: {other:?}"),
+            }
+        }
+        // What transformers reads: top-level min/max over `size`, which then may lack them.
+        let config = read(r#"{"size": {"shortest_edge": 1}, "max_pixels": 5000, "resample": 3}"#);
+        let config = config.unwrap();
+        assert_eq!((config.min_pixels, config.max_pixels), (1, 5000));
+        // No file in the folder: the defaults; no folder: an error naming the file.
+        std::fs::remove_file(dir.path().join("preprocessor_config.json")).unwrap();
+        assert_eq!(
+            PreprocessConfig::from_model_dir(dir.path()).unwrap(),
+            PreprocessConfig::default()
+        );
+        let missing = dir.path().join("missing");
+        let error = PreprocessConfig::from_model_dir(&missing).unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("missing/preprocessor_config.json"),
+            "{error}"
         );
     }
 }
