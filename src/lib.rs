@@ -11,6 +11,7 @@ pub mod adapters;
 pub mod bench;
 pub mod device;
 pub mod engine;
+pub mod files;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod lora;

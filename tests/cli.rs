@@ -95,8 +95,13 @@ fn batch_reproduces_fixtures(device: &str, extra: &[&str], rel_tol: f64) {
 
 #[test]
 fn encode_without_arguments_runs_the_bundled_batch() {
-    let stdout = assert_success(&mmlora(&["encode"]));
-    assert!(stdout.starts_with("device: "), "{stdout}");
+    let out = mmlora(&["encode"]);
+    let stdout = assert_success(&out);
+    assert!(
+        text(&out.stderr).starts_with("device: "),
+        "{}",
+        text(&out.stderr)
+    );
     for request in requests() {
         let line = stdout
             .lines()

@@ -138,20 +138,14 @@ pub fn throughput_png(records: &[BenchRecord], path: &Path) -> Result<(), PlotEr
     }
     let image = image::RgbImage::from_raw(SIZE.0, SIZE.1, pixels)
         .expect("the buffer has the picture's size");
-    // Written beside the target and renamed, so a failure leaves no partial file.
-    let write_error = |reason: String| PlotError::Write {
+    crate::files::write_whole(path, |file| {
+        image
+            .write_to(file, image::ImageFormat::Png)
+            .map_err(std::io::Error::other)
+    })
+    .map_err(|e| PlotError::Write {
         path: path.to_owned(),
-        reason,
-    };
-    let folder = match path.parent() {
-        Some(folder) if !folder.as_os_str().is_empty() => folder,
-        _ => Path::new("."),
-    };
-    let mut file =
-        tempfile::NamedTempFile::new_in(folder).map_err(|e| write_error(e.to_string()))?;
-    image
-        .write_to(file.as_file_mut(), image::ImageFormat::Png)
-        .map_err(|e| write_error(e.to_string()))?;
-    file.persist(path).map_err(|e| write_error(e.to_string()))?;
+        reason: e.to_string(),
+    })?;
     Ok(())
 }

@@ -13,7 +13,7 @@ use mmlora::lora::ops::ShrinkKernel;
 use mmlora::model::gemm::LinearKernel;
 
 use super::CliError;
-use super::output::check_writable_folder;
+use super::output::check_writable;
 
 /// Arguments of `mmlora bench`.
 #[derive(Debug, clap::Args)]
@@ -108,7 +108,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         ));
     }
     if let Some(plot) = &args.plot {
-        check_writable_folder(plot)?;
+        check_writable(plot)?;
     }
     let runtime = device::select(args.device)?;
     eprintln!("device: {}", runtime.description);

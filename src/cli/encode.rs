@@ -1,6 +1,6 @@
 //! `mmlora encode`: images (each with an adapter or none) → per-request embeddings.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -11,7 +11,7 @@ use mmlora::engine::{Encoded, Engine, EngineOptions, ImageSource, Request};
 use mmlora::lora::ops::ShrinkKernel;
 use mmlora::model::gemm::LinearKernel;
 
-use super::output::{OutputTensor, check_writable_folder, write_safetensors};
+use super::output::{OutputTensor, check_writable, write_safetensors};
 use super::{CliError, default_model_dir};
 
 /// Arguments of `mmlora encode`.
@@ -64,12 +64,14 @@ pub fn run(args: EncodeArgs) -> Result<(), CliError> {
     let model_dir = args.model.clone().unwrap_or_else(default_model_dir);
     let job = batch(&args, &model_dir)?;
     if let Some(out) = &args.out {
-        check_writable_folder(out)?;
+        check_writable(out)?;
     }
     let device = device::select(args.device)?;
-    println!("device: {}", device.description);
+    // Progress on stderr, results on stdout: a reader that stops early (`| head`) ends the
+    // command only after its output file is written.
+    eprintln!("device: {}", device.description);
     if args.device == DeviceChoice::Auto && !device.hardware_gpu {
-        println!("  (auto: wgpu found no hardware GPU; --device gpu forces wgpu anyway)");
+        eprintln!("  (auto: wgpu found no hardware GPU; --device gpu forces wgpu anyway)");
     }
     let options = EngineOptions {
         max_loras: args.max_loras,
@@ -87,18 +89,20 @@ pub fn run(args: EncodeArgs) -> Result<(), CliError> {
     for (name, dir) in &job.adapters {
         engine.load_adapter(name, dir)?;
     }
-    println!(
+    eprintln!(
         "model: {} loaded in {:.2} s",
         model_dir.display(),
         started.elapsed().as_secs_f64()
     );
     let encoded = engine.encode(&job.requests, args.with_tower)?;
+    if let Some(out) = &args.out {
+        write_results(out, &encoded, &model_dir, &engine)?;
+    }
     let steps = encoded.iter().map(|e| e.step + 1).max().unwrap_or(0);
     for result in &encoded {
         println!("{}", summary_line(result, steps));
     }
     if let Some(out) = &args.out {
-        write_results(out, &encoded, &model_dir, &engine)?;
         println!("wrote {} ({} requests)", out.display(), encoded.len());
     }
     Ok(())
@@ -136,10 +140,10 @@ fn batch(args: &EncodeArgs, model_dir: &Path) -> Result<Batch, CliError> {
 }
 
 /// Images from the command line, all with one adapter (named after its folder) or none. Each
-/// request's id is the image's file name (`#2`, `#3`… for repeats).
+/// request's id is the image's file name, with `#2`, `#3`… for a name already taken.
 fn images_job(images: &[PathBuf], adapter: Option<&Path>) -> Batch {
     let name = adapter.map(PeftAdapter::name_for);
-    let mut seen: HashMap<String, usize> = HashMap::new();
+    let mut ids: HashSet<String> = HashSet::new();
     let requests = images
         .iter()
         .map(|image| {
@@ -147,14 +151,15 @@ fn images_job(images: &[PathBuf], adapter: Option<&Path>) -> Batch {
                 || image.display().to_string(),
                 |n| n.to_string_lossy().into_owned(),
             );
-            let count = seen.entry(file.clone()).or_default();
-            *count += 1;
+            let mut id = file.clone();
+            for repeat in 2.. {
+                if ids.insert(id.clone()) {
+                    break;
+                }
+                id = format!("{file}#{repeat}");
+            }
             Request {
-                id: if *count == 1 {
-                    file
-                } else {
-                    format!("{file}#{count}")
-                },
+                id,
                 image: ImageSource::File(image.clone()),
                 adapter: name.clone(),
             }
@@ -201,4 +206,20 @@ fn write_results(
         );
     }
     write_safetensors(out, &tensors, metadata)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn image_ids_stay_unique_when_a_file_is_named_like_a_repeat() {
+        let images = ["a/x.png#2", "a/x.png", "b/x.png", "x.png"].map(PathBuf::from);
+        let ids: Vec<String> = images_job(&images, None)
+            .requests
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
+        assert_eq!(ids, ["x.png#2", "x.png", "x.png#3", "x.png#4"]);
+    }
 }

@@ -84,6 +84,7 @@ pub fn run(args: InspectArgs) -> Result<(), CliError> {
             Err(CliError::Incompatible {
                 dir: args.dir,
                 model: model_dir,
+                source: Box::new(error),
             })
         }
         Err(error) => Err(error.into()),

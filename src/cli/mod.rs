@@ -45,12 +45,14 @@ pub enum CliError {
         reason: String,
     },
     /// The adapter does not fit the model (`adapters inspect`).
-    #[error("adapter {dir} is not compatible with the model in {model}")]
+    #[error("adapter {dir} is not compatible with the model in {model}: {source}")]
     Incompatible {
         /// The adapter folder.
         dir: PathBuf,
         /// The model folder.
         model: PathBuf,
+        /// Which file or key, and why.
+        source: Box<AdapterError>,
     },
     /// No device.
     #[error(transparent)]

@@ -1,5 +1,5 @@
 //! Writing results as safetensors, all or nothing: the file appears only once it is complete;
-//! and checking an output's folder before the work that fills it.
+//! and checking that an output can be created before the work that fills it.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -44,8 +44,7 @@ impl OutputTensor {
     }
 }
 
-/// Writes `tensors` (and `metadata`) to `path` through a temporary file in the same folder
-/// that is renamed into place only when complete, so a failure leaves no partial file.
+/// Writes `tensors` (and `metadata`) to `path`, all or nothing ([`mmlora::files`]).
 pub fn write_safetensors(
     path: &Path,
     tensors: &[OutputTensor],
@@ -64,26 +63,15 @@ pub fn write_safetensors(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let bytes = safetensors::serialize(views, Some(metadata)).map_err(|e| failed(e.to_string()))?;
-    let folder = match path.parent() {
-        Some(parent) if !parent.as_os_str().is_empty() => parent,
-        _ => Path::new("."),
-    };
-    let mut file = tempfile::NamedTempFile::new_in(folder).map_err(|e| failed(e.to_string()))?;
-    file.write_all(&bytes).map_err(|e| failed(e.to_string()))?;
-    file.persist(path)
-        .map_err(|e| failed(e.error.to_string()))?;
-    Ok(())
+    mmlora::files::write_whole(path, |file| file.write_all(&bytes))
+        .map_err(|e| failed(e.to_string()))
 }
 
-/// Fails early when the output's folder does not exist.
-pub fn check_writable_folder(out: &Path) -> Result<(), CliError> {
-    match out.parent() {
-        Some(folder) if !folder.as_os_str().is_empty() && !folder.is_dir() => {
-            Err(CliError::Write {
-                path: out.to_owned(),
-                reason: format!("the folder {} does not exist", folder.display()),
-            })
-        }
-        _ => Ok(()),
-    }
+/// Fails early, before the work that fills it, when the output cannot be created (a folder, a
+/// missing or read-only folder).
+pub fn check_writable(out: &Path) -> Result<(), CliError> {
+    mmlora::files::check_writable(out).map_err(|e| CliError::Write {
+        path: out.to_owned(),
+        reason: e.to_string(),
+    })
 }
