@@ -350,7 +350,8 @@ pub fn load_image(path: &Path) -> Result<RgbImage, PreprocessError> {
         height,
         limit: MAX_DECODED_PIXELS,
     };
-    if image::guess_format(&bytes).ok() == Some(ImageFormat::Jpeg) {
+    let format = image::guess_format(&bytes).ok();
+    if format == Some(ImageFormat::Jpeg) {
         return jpeg::decode_rgb(&bytes, MAX_DECODED_PIXELS).map_err(|error| match error {
             jpeg::JpegError::TooLarge { width, height } => too_large(width, height),
             jpeg::JpegError::Decode(reason) => PreprocessError::Decode {
@@ -391,8 +392,8 @@ pub fn load_image(path: &Path) -> Result<RgbImage, PreprocessError> {
     let mut limits = Limits::default();
     limits.max_alloc = Some(MAX_DECODED_PIXELS * 16);
     decoder.set_limits(limits).map_err(decode)?;
-    let key = match image::guess_format(&bytes) {
-        Ok(ImageFormat::Png) => {
+    let key = match format {
+        Some(ImageFormat::Png) => {
             png_colour_key(&bytes).map_err(|reason| PreprocessError::Decode {
                 path: path.to_owned(),
                 reason,
