@@ -380,12 +380,12 @@ pub fn load_image(path: &Path) -> Result<RgbImage, PreprocessError> {
         return Err(too_large(width as usize, height as usize));
     }
     let color = decoder.color_type();
-    if color.bytes_per_pixel() / color.channel_count() != 1 {
+    if !matches!(color.bytes_per_pixel() / color.channel_count(), 1 | 2) {
         return Err(PreprocessError::Decode {
             path: path.to_owned(),
             reason: format!(
-                "{color:?} samples are not supported (8-bit only: Pillow would truncate them); \
-                 convert the image to 8 bits per channel"
+                "{color:?} samples are not supported (8 or 16 bits per channel only); convert \
+                 the image to 8 bits per channel"
             ),
         });
     }
@@ -402,22 +402,69 @@ pub fn load_image(path: &Path) -> Result<RgbImage, PreprocessError> {
         _ => None,
     };
     let decoded = DynamicImage::from_decoder(decoder).map_err(decode)?;
-    Ok(match key {
-        Some(ColourKey::Rgb) => decoded.to_rgb8(),
-        Some(ColourKey::Gray(key)) => {
-            let gray = decoded.to_luma8();
-            RgbImage::from_fn(gray.width(), gray.height(), |x, y| {
-                let [value] = gray.get_pixel(x, y).0;
-                image::Rgb(if u16::from(value) == key {
-                    [255; 3]
-                } else {
-                    [value; 3]
-                })
-            })
+    Ok(match (key, decoded) {
+        (Some(ColourKey::Gray(key)), gray) => gray_as_pillow(gray, Some(key)),
+        (None, gray @ DynamicImage::ImageLuma16(_)) => gray_as_pillow(gray, None),
+        (key, colour) => {
+            let colour = high_bytes(colour);
+            match key {
+                // transformers passes RGB through, so the key colour stays as it is.
+                Some(ColourKey::Rgb) => colour.to_rgb8(),
+                _ if colour.color().has_alpha() => composite_on_white(&colour.to_rgba8()),
+                _ => colour.to_rgb8(),
+            }
         }
-        None if decoded.color().has_alpha() => composite_on_white(&decoded.to_rgba8()),
-        None => decoded.to_rgb8(),
     })
+}
+
+/// A grayscale PNG as Pillow turns it into RGB: each sample as Pillow holds it (16 bits whole,
+/// as its `I;16` mode, or 8 bits with lower depths scaled up) is white where it equals the colour
+/// key and is otherwise clipped to 255.
+fn gray_as_pillow(gray: DynamicImage, key: Option<u16>) -> RgbImage {
+    let (width, height) = (gray.width(), gray.height());
+    let samples: Vec<u16> = match gray {
+        DynamicImage::ImageLuma16(_) | DynamicImage::ImageLumaA16(_) => {
+            gray.into_luma16().into_raw()
+        }
+        other => other
+            .into_luma8()
+            .into_raw()
+            .into_iter()
+            .map(u16::from)
+            .collect(),
+    };
+    let rgb = samples
+        .into_iter()
+        .flat_map(|sample| {
+            let value = if Some(sample) == key {
+                255
+            } else {
+                sample.min(255) as u8
+            };
+            [value; 3]
+        })
+        .collect();
+    RgbImage::from_raw(width, height, rgb).expect("three values per pixel")
+}
+
+/// 16-bit colour samples cut to their high byte, as Pillow reads 16-bit RGB, RGBA and gray with
+/// alpha PNGs; anything else is returned as it is.
+fn high_bytes(image: DynamicImage) -> DynamicImage {
+    let (width, height) = (image.width(), image.height());
+    let cut = |raw: Vec<u16>| -> Vec<u8> { raw.into_iter().map(|v| (v >> 8) as u8).collect() };
+    let whole = "the same samples, one byte each";
+    match image {
+        DynamicImage::ImageRgb16(b) => DynamicImage::ImageRgb8(
+            image::ImageBuffer::from_raw(width, height, cut(b.into_raw())).expect(whole),
+        ),
+        DynamicImage::ImageRgba16(b) => DynamicImage::ImageRgba8(
+            image::ImageBuffer::from_raw(width, height, cut(b.into_raw())).expect(whole),
+        ),
+        DynamicImage::ImageLumaA16(b) => DynamicImage::ImageLumaA8(
+            image::ImageBuffer::from_raw(width, height, cut(b.into_raw())).expect(whole),
+        ),
+        other => other,
+    }
 }
 
 /// A PNG's tRNS colour key (one colour made transparent) as Pillow reads it; `image` turns it
@@ -768,7 +815,8 @@ mod tests {
         );
     }
 
-    /// A one-row PNG of `color` and `depth` holding `data`, with the tRNS chunk `trns`.
+    /// A one-row PNG of `color` and `depth` holding `data`, with the tRNS chunk `trns` unless
+    /// it is empty.
     fn png_with_key(
         width: u32,
         color: png::ColorType,
@@ -780,7 +828,9 @@ mod tests {
         let mut encoder = png::Encoder::new(file.reopen().unwrap(), width, 1);
         encoder.set_color(color);
         encoder.set_depth(depth);
-        encoder.set_trns(trns.to_vec());
+        if !trns.is_empty() {
+            encoder.set_trns(trns.to_vec());
+        }
         encoder
             .write_header()
             .unwrap()
@@ -827,6 +877,58 @@ mod tests {
         );
         let image = load_image(file.path()).unwrap();
         assert_eq!(image.as_raw(), &[10, 20, 30, 1, 2, 3]);
+    }
+
+    #[test]
+    fn sixteen_bit_pngs_are_read_as_pillow_reads_them() {
+        use png::{BitDepth, ColorType};
+        let be =
+            |samples: &[u16]| -> Vec<u8> { samples.iter().flat_map(|s| s.to_be_bytes()).collect() };
+        let rgb = |width: u32, color, samples: &[u16], trns: &[u16]| {
+            let file = png_with_key(width, color, BitDepth::Sixteen, &be(samples), &be(trns));
+            load_image(file.path()).unwrap().into_raw()
+        };
+        // Each expected row is what Pillow 11.3 and transformers' convert_to_rgb give.
+        // Gray: Pillow's I;16, clipped to 255; the key compared with the whole sample.
+        let gray = [0, 100, 255, 256, 1000, 40000, 65535];
+        let clipped: Vec<u8> = [0, 100, 255, 255, 255, 255, 255]
+            .iter()
+            .flat_map(|&v| [v; 3])
+            .collect();
+        assert_eq!(rgb(7, ColorType::Grayscale, &gray, &[]), clipped);
+        let keyed: Vec<u8> = [0, 255, 255, 255].iter().flat_map(|&v| [v; 3]).collect();
+        assert_eq!(
+            rgb(4, ColorType::Grayscale, &[0, 100, 1000, 40000], &[100]),
+            keyed
+        );
+        // Colour: the high byte of each sample, alpha composited onto white.
+        assert_eq!(
+            rgb(
+                2,
+                ColorType::Rgb,
+                &[1000, 40000, 65535, 200, 300, 65280],
+                &[]
+            ),
+            [3, 156, 255, 0, 1, 255]
+        );
+        assert_eq!(
+            rgb(
+                2,
+                ColorType::Rgba,
+                &[1000, 40000, 65535, 32768, 200, 300, 65280, 65535],
+                &[]
+            ),
+            [129, 205, 255, 0, 1, 255]
+        );
+        assert_eq!(
+            rgb(1, ColorType::GrayscaleAlpha, &[40000, 32768], &[]),
+            [205; 3]
+        );
+        // An RGB colour key: the image stays RGB.
+        assert_eq!(
+            rgb(2, ColorType::Rgb, &[1000, 2, 3, 40000, 5, 6], &[1000, 2, 3]),
+            [3, 0, 0, 156, 0, 0]
+        );
     }
 
     #[test]
