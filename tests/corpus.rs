@@ -315,6 +315,21 @@ fn cases() -> Vec<Case> {
             },
         ),
         case(
+            "patch conv with channels and frames swapped",
+            Model,
+            &[MERGER_SHARD, "patch_embed.proj.weight", "expected"],
+            |d| {
+                model(d, |m| {
+                    edit_header(&m.join(MERGER_SHARD), |h| {
+                        let shape = &mut h["model.visual.patch_embed.proj.weight"]["shape"];
+                        let (channels, frames) = (shape[1].clone(), shape[2].clone());
+                        shape[1] = frames;
+                        shape[2] = channels;
+                    })
+                })
+            },
+        ),
+        case(
             "missing weight",
             Model,
             &["merger.ln_q.weight", "missing"],

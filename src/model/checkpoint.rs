@@ -190,9 +190,7 @@ impl Checkpoint {
             found,
             expected: format!("f32/f16/bf16 {shape:?}"),
         };
-        if view.shape().iter().product::<usize>() != shape.iter().product::<usize>()
-            || (view.shape().len() == D && view.shape() != shape)
-        {
+        if view.shape() != shape {
             return Err(mismatch(format!("{:?} {:?}", view.dtype(), view.shape())));
         }
         if !matches!(view.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16) {

@@ -195,8 +195,12 @@ impl Qwen2VlVision {
             mlp0,
             mlp2,
         };
-        let patch_embed: Tensor<2> =
-            weights.tensor("patch_embed.proj.weight", [d, config.patch_len()])?;
+        // A Conv3d's weight, `[d, C, T, P, P]`, read in that layout and flattened to the linear
+        // it is over flattened patches.
+        let (p, t) = (config.patch_size, config.temporal_patch_size);
+        let patch_embed: Tensor<2> = weights
+            .tensor("patch_embed.proj.weight", [d, config.in_channels, t, p, p])?
+            .reshape([d, config.patch_len()]);
         Ok(Self {
             patch_embed_t: patch_embed.transpose(),
             config,
