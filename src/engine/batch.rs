@@ -48,7 +48,7 @@ pub enum BatchError {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct BatchFile {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "names_once")]
     adapters: BTreeMap<String, PathBuf>,
     requests: Vec<BatchRequest>,
 }
@@ -82,8 +82,14 @@ impl Batch {
         if file.requests.is_empty() {
             return Err(invalid("the batch has no requests".to_owned()));
         }
+        if file.adapters.contains_key("") {
+            return Err(invalid("an adapter's name is empty".to_owned()));
+        }
         let mut ids = HashSet::new();
         for request in &file.requests {
+            if request.id.is_empty() {
+                return Err(invalid("a request's id is empty".to_owned()));
+            }
             if !ids.insert(request.id.as_str()) {
                 return Err(invalid(format!(
                     "request id `{}` appears more than once",
@@ -117,6 +123,38 @@ impl Batch {
                 .collect(),
         })
     }
+}
+
+/// A JSON object of adapter names and folders, refusing a name given twice (serde would keep
+/// the last folder silently).
+fn names_once<'de, D: serde::Deserializer<'de>>(
+    deserializer: D,
+) -> Result<BTreeMap<String, PathBuf>, D::Error> {
+    struct Names;
+    impl<'de> serde::de::Visitor<'de> for Names {
+        type Value = BTreeMap<String, PathBuf>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an object of adapter names and folders")
+        }
+
+        fn visit_map<M: serde::de::MapAccess<'de>>(
+            self,
+            mut map: M,
+        ) -> Result<Self::Value, M::Error> {
+            let mut names = BTreeMap::new();
+            while let Some((name, dir)) = map.next_entry::<String, PathBuf>()? {
+                if names.contains_key(&name) {
+                    return Err(serde::de::Error::custom(format!(
+                        "adapter `{name}` is listed twice"
+                    )));
+                }
+                names.insert(name, dir);
+            }
+            Ok(names)
+        }
+    }
+    deserializer.deserialize_map(Names)
 }
 
 #[cfg(test)]
@@ -169,6 +207,15 @@ mod tests {
                 r#"{"requests": [{"id": "1", "image": "x", "adaptor": "z"}]}"#,
                 "unknown field `adaptor`",
             ),
+            (
+                r#"{"adapters": {"a": "one", "a": "two"}, "requests": [{"id": "1", "image": "x"}]}"#,
+                "adapter `a` is listed twice",
+            ),
+            (
+                r#"{"adapters": {"": "one"}, "requests": [{"id": "1", "image": "x"}]}"#,
+                "adapter's name is empty",
+            ),
+            (r#"{"requests": [{"id": "", "image": "x"}]}"#, "id is empty"),
         ];
         for (text, expected) in cases {
             let error = parse(text).unwrap_err().to_string();
