@@ -243,10 +243,14 @@ fn wgpu_device(device: Device, setup: WgpuSetup) -> RuntimeDevice {
     }
 }
 
-/// The device for `choice`.
+/// The device for `choice`; a `WGPU_BACKEND` that names no graphics API is an error under
+/// `auto` too, rather than a quiet fall back to the CPU.
 pub fn select(choice: DeviceChoice) -> Result<RuntimeDevice, DeviceError> {
     match choice {
-        DeviceChoice::Auto => Ok(gpu().ok().filter(|g| g.hardware_gpu).unwrap_or_else(cpu)),
+        DeviceChoice::Auto => {
+            requested_backend()?;
+            Ok(gpu().ok().filter(|g| g.hardware_gpu).unwrap_or_else(cpu))
+        }
         DeviceChoice::Cpu => Ok(cpu()),
         DeviceChoice::Gpu => gpu(),
     }

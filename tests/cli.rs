@@ -420,7 +420,7 @@ fn bench_prints_one_json_object_per_configuration() {
     let out = mmlora(&["bench", "--preset", "tiny", "--adapters", "0"]);
     assert!(!out.status.success());
     assert!(
-        text(&out.stderr).contains("at least 1"),
+        text(&out.stderr).contains("--adapters 0 is outside 1..="),
         "{}",
         text(&out.stderr)
     );
@@ -476,4 +476,40 @@ fn bench_stages_prints_each_configurations_profile() {
     );
     let out = mmlora(&[&args[..], &["--scale"]].concat());
     assert!(!out.status.success(), "--stages and --scale are two runs");
+}
+
+#[test]
+fn bench_counts_out_of_range_are_refused_by_flag_before_any_work() {
+    // Each of these used to allocate for the count first: an abort (exit 134) or a panic.
+    for (flag, value) in [
+        ("--repeats", "18446744073709551615"),
+        ("--images", "100000"),
+        ("--side", "100000"),
+        ("--adapters", "1000000000000"),
+        ("--ranks", "1000"),
+        ("--op-rows", "1000000000000"),
+    ] {
+        let out = mmlora(&["bench", "--preset", "tiny", "--device", "cpu", flag, value]);
+        assert_eq!(out.status.code(), Some(1), "{flag} {value}");
+        let stderr = text(&out.stderr);
+        assert!(
+            stderr.contains(&format!("{flag} {value} is outside")),
+            "{stderr}"
+        );
+    }
+}
+
+#[test]
+fn an_unknown_wgpu_backend_is_an_error_under_auto_too() {
+    let out = Command::new(env!("CARGO_BIN_EXE_mmlora"))
+        .args(["encode", "--device", "auto"])
+        .env("WGPU_BACKEND", "vulcan")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("vulcan"),
+        "{}",
+        text(&out.stderr)
+    );
 }

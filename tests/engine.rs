@@ -366,6 +366,11 @@ fn options_that_cannot_work_are_refused() {
             ..EngineOptions::default()
         },
         EngineOptions {
+            max_loras: mmlora::engine::MAX_LORAS + 1,
+            max_cpu_adapters: mmlora::engine::MAX_LORAS + 1,
+            ..EngineOptions::default()
+        },
+        EngineOptions {
             max_loras: 8,
             max_cpu_adapters: 4,
             ..EngineOptions::default()

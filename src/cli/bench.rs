@@ -9,7 +9,8 @@ use mmlora::bench::scale::{self, ScaleSpec};
 use mmlora::bench::stages;
 use mmlora::bench::{self, BenchSpec, Preset};
 use mmlora::device::{self, DeviceChoice, Precision, RuntimeDevice};
-use mmlora::lora::ops::ShrinkKernel;
+use mmlora::engine::MAX_LORAS;
+use mmlora::lora::ops::{MAX_RANK, ShrinkKernel};
 use mmlora::model::gemm::LinearKernel;
 
 use super::CliError;
@@ -91,22 +92,49 @@ pub struct BenchArgs {
     stages: bool,
 }
 
+/// The most images a batch, or the --scale image sweep, may hold.
+const MAX_IMAGES: usize = 1024;
+/// The most rows the LoRA op alone is timed at.
+const MAX_OP_ROWS: usize = 1 << 16;
+/// The most adapters the --scale adapter sweep loads (each holds random weights in memory).
+const MAX_SCALE_ADAPTERS: usize = 256;
+/// The most timed runs per configuration.
+const MAX_REPEATS: usize = 1000;
+/// The largest image side: the most pixels a decoded image may have, as a square.
+const MAX_SIDE: usize = 8192;
+
+/// Refuses counts the bench cannot use, naming the flag, before anything is allocated for them.
+fn check_ranges(args: &BenchArgs) -> Result<(), CliError> {
+    let op_rows = args.op_rows.clone().unwrap_or_default();
+    let flags: [(&str, &[usize], usize, usize); 9] = [
+        ("--images", &[args.images], 1, MAX_IMAGES),
+        ("--side", args.side.as_slice(), 1, MAX_SIDE),
+        ("--adapters", &args.adapters, 1, MAX_LORAS),
+        ("--ranks", &args.ranks, 1, MAX_RANK),
+        ("--repeats", &[args.repeats], 0, MAX_REPEATS),
+        ("--op-rows", &op_rows, 1, MAX_OP_ROWS),
+        ("--scale-images", &args.scale_images, 1, MAX_IMAGES),
+        (
+            "--scale-adapters",
+            &args.scale_adapters,
+            1,
+            MAX_SCALE_ADAPTERS,
+        ),
+        ("--slots", &[args.slots], 1, MAX_LORAS),
+    ];
+    for (flag, values, low, high) in flags {
+        if let Some(value) = values.iter().find(|v| !(low..=high).contains(*v)) {
+            return Err(CliError::Usage(format!(
+                "{flag} {value} is outside {low}..={high}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Runs `mmlora bench`.
 pub fn run(args: BenchArgs) -> Result<(), CliError> {
-    if args.images == 0
-        || args.adapters.contains(&0)
-        || args.ranks.contains(&0)
-        || args.op_rows.as_ref().is_some_and(|rows| rows.contains(&0))
-        || args.scale_images.contains(&0)
-        || args.scale_adapters.contains(&0)
-        || args.slots == 0
-    {
-        return Err(CliError::Usage(
-            "--images, --adapters, --ranks, --op-rows, --scale-images, --scale-adapters and \
-             --slots must be at least 1"
-                .to_owned(),
-        ));
-    }
+    check_ranges(&args)?;
     if let Some(plot) = &args.plot {
         check_writable(plot)?;
     }

@@ -39,10 +39,14 @@ use crate::model::qwen2_vl::{ModelError, Qwen2VlVision, VisionConfig};
 use crate::preprocess::{Patches, PreprocessConfig, PreprocessError, load_image, preprocess};
 use plan::{PlanItem, plan_steps};
 
+/// The most GPU slots an engine takes (`max_loras`).
+pub const MAX_LORAS: usize = 1024;
+
 /// The engine's limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EngineOptions {
-    /// GPU slots: the most distinct adapters one step mixes. Calls with more run in more steps.
+    /// GPU slots: the most distinct adapters one step mixes (at most [`MAX_LORAS`]). Calls with
+    /// more run in more steps.
     pub max_loras: usize,
     /// The largest adapter rank accepted.
     pub max_rank: usize,
@@ -845,8 +849,8 @@ fn check_consistent(preprocess: &PreprocessConfig, config: &VisionConfig) -> Res
 }
 
 fn check_options(options: &EngineOptions, device: &RuntimeDevice) -> Result<(), EngineError> {
-    let problem = if options.max_loras == 0 {
-        Some("max_loras must be at least 1".to_owned())
+    let problem = if !(1..=MAX_LORAS).contains(&options.max_loras) {
+        Some(format!("max_loras must be in 1..={MAX_LORAS}"))
     } else if !(1..=MAX_RANK).contains(&options.max_rank) {
         Some(format!("max_rank must be in 1..={MAX_RANK}"))
     } else if options.max_cpu_adapters < options.max_loras {
