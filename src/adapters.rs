@@ -248,12 +248,15 @@ impl PeftAdapter {
         let mut modules = BTreeMap::new();
         for (path, KeyPair { module, keys }) in pairs {
             let target = by_path[path.as_str()];
-            let [Some(a_key), Some(b_key)] = keys.clone() else {
-                let present = keys.into_iter().flatten().next().unwrap_or_default();
-                return Err(incompatible(
-                    &present,
-                    "its lora_A/lora_B partner is missing".to_owned(),
-                ));
+            let (a_key, b_key) = match keys {
+                [Some(a_key), Some(b_key)] => (a_key, b_key),
+                keys => {
+                    let present = keys.into_iter().flatten().next().unwrap_or_default();
+                    return Err(incompatible(
+                        &present,
+                        "its lora_A/lora_B partner is missing".to_owned(),
+                    ));
+                }
             };
             let rank = rank_pattern
                 .lookup(&module)

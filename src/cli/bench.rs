@@ -12,6 +12,7 @@ use mmlora::device::{self, DeviceChoice, Precision, RuntimeDevice};
 use mmlora::engine::MAX_LORAS;
 use mmlora::lora::ops::{MAX_RANK, ShrinkKernel};
 use mmlora::model::gemm::LinearKernel;
+use mmlora::preprocess::MAX_DECODED_PIXELS;
 
 use super::CliError;
 use super::output::check_writable;
@@ -101,18 +102,22 @@ const MAX_SCALE_ADAPTERS: usize = 256;
 /// The most timed runs per configuration.
 const MAX_REPEATS: usize = 1000;
 /// The largest image side: the most pixels a decoded image may have, as a square.
-const MAX_SIDE: usize = 8192;
+const MAX_SIDE: usize = MAX_DECODED_PIXELS.isqrt() as usize;
 
 /// Refuses counts the bench cannot use, naming the flag, before anything is allocated for them.
 fn check_ranges(args: &BenchArgs) -> Result<(), CliError> {
-    let op_rows = args.op_rows.clone().unwrap_or_default();
     let flags: [(&str, &[usize], usize, usize); 9] = [
         ("--images", &[args.images], 1, MAX_IMAGES),
         ("--side", args.side.as_slice(), 1, MAX_SIDE),
         ("--adapters", &args.adapters, 1, MAX_LORAS),
         ("--ranks", &args.ranks, 1, MAX_RANK),
         ("--repeats", &[args.repeats], 0, MAX_REPEATS),
-        ("--op-rows", &op_rows, 1, MAX_OP_ROWS),
+        (
+            "--op-rows",
+            args.op_rows.as_deref().unwrap_or_default(),
+            1,
+            MAX_OP_ROWS,
+        ),
         ("--scale-images", &args.scale_images, 1, MAX_IMAGES),
         (
             "--scale-adapters",

@@ -543,10 +543,9 @@ impl Engine {
             &scheduled,
         )?
         .expect("a step schedules at least one image");
-        match self.activate(&activation.adapters.iter().map(|a| a.id).collect::<Vec<_>>()) {
-            Err(EngineError::Execution(reason)) => return Err(self.device_failure(reason)),
-            other => other?,
-        }
+        let activated =
+            self.activate(&activation.adapters.iter().map(|a| a.id).collect::<Vec<_>>());
+        self.classify(activated)?;
         let tower_meta = KernelMeta::from_mapping(&activation.tower, &self.slots)?;
         let connector_meta = KernelMeta::from_mapping(
             activation
@@ -563,15 +562,9 @@ impl Engine {
             .flat_map(|&i| patches[i].pixel_values.iter().copied())
             .collect();
         let rows = pixels.len() / self.model.config().patch_len();
-        // A fault inside Burn or the driver may surface as a panic: it becomes an error too.
-        let outcome = catch_unwind(AssertUnwindSafe(|| {
-            self.forward_step(pixels, &grids, tower_meta, connector_meta, with_tower)
-        }))
-        .unwrap_or_else(|panic| Err(EngineError::Execution(panic_message(&panic))));
-        let (embeds, tower) = match outcome {
-            Err(EngineError::Execution(reason)) => return Err(self.device_failure(reason)),
-            other => other?,
-        };
+        let outcome =
+            guarded(|| self.forward_step(pixels, &grids, tower_meta, connector_meta, with_tower));
+        let (embeds, tower) = self.classify(outcome)?;
         let step_time = started.elapsed();
         tracing::debug!(
             step,
@@ -628,6 +621,15 @@ impl Engine {
         let embeds = read_back(output.embeds)?;
         let tower = with_tower.then(|| read_back(output.tower)).transpose()?;
         Ok((embeds, tower))
+    }
+
+    /// A step's device work's result, with an [`EngineError::Execution`] classified by
+    /// [`Engine::device_failure`].
+    fn classify<T>(&mut self, result: Result<T, EngineError>) -> Result<T, EngineError> {
+        match result {
+            Err(EngineError::Execution(reason)) => Err(self.device_failure(reason)),
+            other => other,
+        }
     }
 
     /// Classifies a failed step: a lost device fails this and every later call
@@ -729,10 +731,10 @@ impl Engine {
             let slotted: Vec<Option<&PeftAdapter>> =
                 adapters.iter().map(|a| a.as_deref()).collect();
             self.stacked = None;
-            catch_unwind(AssertUnwindSafe(|| {
-                install(&mut self.model, &slotted, &self.device.device)
-            }))
-            .map_err(|panic| EngineError::Execution(panic_message(&panic)))?;
+            guarded(|| {
+                install(&mut self.model, &slotted, &self.device.device);
+                Ok(())
+            })?;
             tracing::debug!(slots = ?current, "adapters restacked");
             self.stacked = Some(current);
         }
@@ -811,6 +813,13 @@ fn read_back(tensor: Tensor<2>) -> Result<HostTensor, EngineError> {
         .try_into_vec_as::<f32>()
         .map_err(|e| EngineError::Execution(e.to_string()))?;
     Ok(HostTensor { shape, values })
+}
+
+/// Runs device work; a fault inside Burn or the driver may surface as a panic, and becomes an
+/// [`EngineError::Execution`] too.
+fn guarded<T>(work: impl FnOnce() -> Result<T, EngineError>) -> Result<T, EngineError> {
+    catch_unwind(AssertUnwindSafe(work))
+        .unwrap_or_else(|panic| Err(EngineError::Execution(panic_message(&panic))))
 }
 
 /// The message a panic carried.
