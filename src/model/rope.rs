@@ -66,6 +66,14 @@ pub fn rotate(x: Tensor<3>, cos: &Tensor<3>, sin: &Tensor<3>) -> Tensor<3> {
     ))
 }
 
+/// [`rotate`] computed in f32 whatever `x`'s dtype, the result in `x`'s dtype: under f16,
+/// transformers' Qwen2-VL rotates `q` and `k` in f32 with f32 angles and casts back
+/// (`apply_rotary_pos_emb_vision`), one rounding to f16 per value. `cos` and `sin` are f32.
+pub fn rotate_in_f32(x: Tensor<3>, cos: &Tensor<3>, sin: &Tensor<3>) -> Tensor<3> {
+    let dtype = x.dtype();
+    rotate(x.cast(DType::F32), cos, sin).cast(dtype)
+}
+
 impl RopeBackend for CubeBackend {}
 
 impl RopeBackend for Flex {
@@ -161,6 +169,71 @@ mod tests {
                 .into_data()
                 .assert_eq(&expected.into_data(), true);
             x.into_data().assert_eq(&before, true);
+        }
+    }
+
+    /// In f16 (on a GPU with `SHADER_F16`), each value is the float64 rotation of the f16 inputs
+    /// rounded to f16 once, as transformers computes it: rotating in f16 rounds each product
+    /// and the sum too, and misses this bound.
+    #[test]
+    fn f16_rotates_in_f32_and_rounds_once() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        if !gpu.supports(device::Precision::F16) {
+            eprintln!(
+                "{}: no SHADER_F16, f16 rotary test not run",
+                gpu.description
+            );
+            return;
+        }
+        // The 2B tower's heads; values up to 8 and angles of every sign, so sums cancel.
+        let (rows, heads, head_dim) = (64, 16, 80);
+        let x = Tensor::<3>::random(
+            [rows, heads, head_dim],
+            Distribution::Uniform(-8.0, 8.0),
+            &gpu.device,
+        )
+        .cast(DType::F16);
+        let angle = || {
+            Tensor::<3>::random(
+                [rows, 1, head_dim],
+                Distribution::Uniform(-1.0, 1.0),
+                &gpu.device,
+            )
+        };
+        let (cos, sin) = (angle(), angle());
+        let got = rotate_in_f32(x.clone(), &cos, &sin);
+        assert_eq!(got.dtype(), DType::F16);
+        let floats = |t: Tensor<3>| -> Vec<f64> {
+            let values = t.cast(DType::F32).into_data().try_to_vec::<f32>().unwrap();
+            values.into_iter().map(f64::from).collect()
+        };
+        let (x, cos, sin, got) = (floats(x), floats(cos), floats(sin), floats(got));
+        let half = head_dim / 2;
+        for (i, &y) in got.iter().enumerate() {
+            let (row, j) = (i / (heads * head_dim), i % head_dim);
+            let head = i - j;
+            let angle = row * head_dim + j;
+            let (own, partner) = if j < half {
+                (x[i], -x[head + j + half])
+            } else {
+                (x[i], x[head + j - half])
+            };
+            let (a, b) = (own * cos[angle], partner * sin[angle]);
+            let exact = a + b;
+            // Tolerance: half an f16 ulp of the result (its one rounding; 2^-24 below f16's
+            // normal range) plus f32's two products and sum, 2^-23 · (|a| + |b|).
+            let ulp = if exact.abs() < 2f64.powi(-14) {
+                2f64.powi(-24)
+            } else {
+                2f64.powi(exact.abs().log2().floor() as i32 - 10)
+            };
+            let bound = ulp / 2.0 + 2f64.powi(-23) * (a.abs() + b.abs());
+            assert!(
+                (y - exact).abs() <= bound,
+                "value {i}: {y} against {exact}, bound {bound:e}"
+            );
         }
     }
 

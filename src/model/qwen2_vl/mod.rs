@@ -357,8 +357,8 @@ impl Qwen2VlVision {
                 "grid {g:?} is not a multiple of the merge size {m}"
             )));
         }
+        // f32 angles in every precision: rotary runs in f32 (`rope::rotate_in_f32`).
         let (cos, sin) = rotary::cos_sin(grids, &self.config, &self.device);
-        let (cos, sin) = (cos.cast(self.dtype), sin.cast(self.dtype));
         // Each frame of each image attends only to itself; the same pieces in every block.
         let segments: Vec<usize> = grids
             .iter()
@@ -416,8 +416,8 @@ impl Qwen2VlVision {
                 .slice([0..rows, i..i + 1])
                 .reshape([rows, heads, hd])
         };
-        let q = rope::rotate(part(0), cos, sin);
-        let k = rope::rotate(part(1), cos, sin);
+        let q = rope::rotate_in_f32(part(0), cos, sin);
+        let k = rope::rotate_in_f32(part(1), cos, sin);
         let v = part(2);
         self.stages.mark(Stage::Rotary);
         let scale = (hd as f64).powf(-0.5);
