@@ -409,13 +409,14 @@ fn bench_prints_one_json_object_per_configuration() {
             "side",
             "adapters",
             "rank",
+            "steps",
             "median_ms",
             "img_per_s",
             "ratio_vs_base",
         ] {
             assert!(!record[field].is_null(), "{field} missing in {record}");
         }
-        assert_eq!(record["device"], "cpu");
+        assert_eq!([&record["kind"], &record["device"]], ["throughput", "cpu"]);
     }
     let out = mmlora(&["bench", "--preset", "tiny", "--adapters", "0"]);
     assert!(!out.status.success());
@@ -424,6 +425,21 @@ fn bench_prints_one_json_object_per_configuration() {
         "{}",
         text(&out.stderr)
     );
+    // More adapters than images cannot all be in the batch; a plot is a PNG.
+    let tiny = [
+        "bench", "--preset", "tiny", "--device", "cpu", "--images", "2",
+    ];
+    for (args, says) in [
+        (
+            &["--adapters", "1,3"][..],
+            "3 distinct adapters cannot be mixed over 2 images",
+        ),
+        (&["--plot", "throughput.jpg"][..], "name the file *.png"),
+    ] {
+        let out = mmlora(&[&tiny[..], args].concat());
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert!(text(&out.stderr).contains(says), "{}", text(&out.stderr));
+    }
 }
 
 #[test]
@@ -480,9 +496,11 @@ fn bench_stages_prints_each_configurations_profile() {
 
 #[test]
 fn bench_counts_out_of_range_are_refused_by_flag_before_any_work() {
-    // Each of these used to allocate for the count first: an abort (exit 134) or a panic.
+    // Each of these but --repeats 0 (which ran one round anyway) used to allocate for the count
+    // first: an abort (exit 134) or a panic.
     for (flag, value) in [
         ("--repeats", "18446744073709551615"),
+        ("--repeats", "0"),
         ("--images", "100000"),
         ("--side", "100000"),
         ("--adapters", "1000000000000"),

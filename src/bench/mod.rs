@@ -21,7 +21,7 @@ use serde::Serialize;
 
 use crate::adapters::{ModuleLora, PeftAdapter};
 use crate::device::{Precision, RuntimeDevice};
-use crate::engine::{Engine, EngineError, EngineOptions, ImageSource, Request};
+use crate::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
 use crate::lora::ops::ShrinkKernel;
 use crate::model::gemm::LinearKernel;
 use crate::model::qwen2_vl::{LoraTarget, Qwen2VlVision, VisionConfig};
@@ -121,6 +121,33 @@ impl Default for BenchSpec {
 }
 
 impl BenchSpec {
+    /// This spec as it runs: the side rounded as the image processor resizes it (to whole merge
+    /// blocks, within its pixel bounds; a square stays square), adapter counts and ranks in
+    /// ascending order once each. Refuses mixing more adapters than the batch has images (each
+    /// image carries one adapter).
+    pub fn as_run(&self) -> Result<Self, EngineError> {
+        let ascending = |values: &[usize]| {
+            let mut values = values.to_vec();
+            values.sort_unstable();
+            values.dedup();
+            values
+        };
+        let adapters = ascending(&self.adapters);
+        if let Some(&most) = adapters.last().filter(|&&most| most > self.images) {
+            return Err(EngineError::Options(format!(
+                "{most} distinct adapters cannot be mixed over {} images: each image carries one \
+                 adapter",
+                self.images
+            )));
+        }
+        Ok(Self {
+            side: resized_side(self.side)?,
+            adapters,
+            ranks: ascending(&self.ranks),
+            ..self.clone()
+        })
+    }
+
     /// How this spec computes with `linear_kernel` for the linears.
     fn compute(&self, linear_kernel: LinearKernel) -> Compute {
         (self.precision, linear_kernel, self.lora_shrink)
@@ -163,7 +190,7 @@ pub struct RunSetup {
     pub preset: String,
     /// Images per batch.
     pub images: usize,
-    /// Image side in pixels.
+    /// Image side in pixels, as the images ran (after the image processor's resize).
     pub side: usize,
     /// Distinct adapters mixed (0: the base model).
     pub adapters: usize,
@@ -208,9 +235,13 @@ impl RunSetup {
 /// One configuration's result (a line of `mmlora bench --json`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct BenchRecord {
+    /// `throughput`: tells these lines from the op's (`op`).
+    pub kind: &'static str,
     /// What ran.
     #[serde(flatten)]
     pub setup: RunSetup,
+    /// Scheduler steps one call takes (1 unless the batch is over the engine's row limit).
+    pub steps: usize,
     /// Median time of one batch.
     pub median_ms: f64,
     /// Images per second at the median.
@@ -226,10 +257,10 @@ pub fn run(
     device: &RuntimeDevice,
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<BenchRecord>, EngineError> {
+    let spec = &spec.as_run()?;
     let config = spec.preset.config();
-    let preprocess = PreprocessConfig::default();
     let model = Qwen2VlVision::random(config.clone(), &device.device);
-    let requests = random_images(spec.images, spec.side, &config, &preprocess)?;
+    let requests = random_images(spec.images, spec.side, &config);
 
     // (adapters, rank, linear kernel); the base with the chosen kernel first.
     let kernel = spec.linear_kernel.resolve(device);
@@ -257,15 +288,15 @@ pub fn run(
             rank,
         )?;
         let batch = mixed_batch(&requests, adapters, rank);
-        engine.encode(&batch, false)?; // warm-up
-        runs.push((engine, batch));
+        let warm_up = engine.encode(&batch, false)?;
+        runs.push((engine, batch, steps(&warm_up)));
     }
     let count = runs.len();
     let times = in_turns(count, spec.repeats, |i, round| {
         if i == round % count {
             progress(&format!("round {} of {}", round + 1, spec.repeats.max(1)));
         }
-        let (engine, batch) = &mut runs[i];
+        let (engine, batch, _) = &mut runs[i];
         let started = Instant::now();
         engine.encode(batch, false)?;
         Ok::<_, EngineError>(started.elapsed().as_secs_f64() * 1e3)
@@ -273,10 +304,13 @@ pub fn run(
     Ok(configurations
         .iter()
         .zip(&times)
-        .map(|(&(adapters, rank, kernel), own)| {
+        .zip(&runs)
+        .map(|((&(adapters, rank, kernel), own), &(_, _, steps))| {
             let median_ms = median(own);
             BenchRecord {
+                kind: "throughput",
                 setup: spec.setup(device, kernel, adapters, rank),
+                steps,
                 median_ms,
                 img_per_s: spec.images as f64 / (median_ms / 1e3),
                 ratio_vs_base: paired_ratio(&times[0], own),
@@ -285,15 +319,11 @@ pub fn run(
         .collect())
 }
 
-/// `count` requests of random patches for square images of `side` pixels.
-fn random_images(
-    count: usize,
-    side: usize,
-    config: &VisionConfig,
-    preprocess: &PreprocessConfig,
-) -> Result<Vec<Request>, EngineError> {
+/// The side the image processor resizes a square image of `side` pixels to.
+fn resized_side(side: usize) -> Result<usize, EngineError> {
+    let preprocess = PreprocessConfig::default();
     let factor = preprocess.patch_size * preprocess.merge_size;
-    let (height, width) = smart_resize(
+    let (height, _) = smart_resize(
         side,
         side,
         factor,
@@ -301,14 +331,21 @@ fn random_images(
         preprocess.max_pixels,
     )
     .map_err(|e| EngineError::Options(format!("image side {side}: {e}")))?;
-    let grid_thw = [
-        1,
-        height / preprocess.patch_size,
-        width / preprocess.patch_size,
-    ];
+    Ok(height)
+}
+
+/// Scheduler steps an encode call took, from its outputs.
+fn steps(encoded: &[Encoded]) -> usize {
+    encoded.iter().map(|e| e.step + 1).max().unwrap_or(0)
+}
+
+/// `count` requests of random patches for square images of `side` pixels, a side the image
+/// processor keeps ([`resized_side`]).
+fn random_images(count: usize, side: usize, config: &VisionConfig) -> Vec<Request> {
+    let grid_thw = [1, side / config.patch_size, side / config.patch_size];
     let rows = grid_thw.iter().product::<usize>();
     let mut random = XorShift(0x5eed);
-    Ok((0..count)
+    (0..count)
         .map(|i| Request {
             id: format!("image{i}"),
             image: ImageSource::Patches(Patches {
@@ -319,7 +356,7 @@ fn random_images(
             }),
             adapter: None,
         })
-        .collect())
+        .collect()
 }
 
 /// The shrink shader `kernel` runs on `device`, for a record (`None` on the CPU backend).
@@ -490,8 +527,40 @@ mod tests {
                 (setup.device.as_str(), setup.preset.as_str()),
                 ("cpu", "tiny")
             );
-            assert_eq!(setup.images, 3);
+            assert_eq!((setup.images, setup.side, record.steps), (3, 56, 1));
         }
+    }
+
+    #[test]
+    fn a_spec_runs_as_the_image_processor_and_the_batch_allow() {
+        let spec = BenchSpec {
+            images: 4,
+            side: 100,
+            adapters: vec![4, 1, 2, 2],
+            ranks: vec![16, 8, 16],
+            ..BenchSpec::default()
+        };
+        let run = spec.as_run().unwrap();
+        // 100 px rounds to 4 merge blocks of 28 px; 20 px is below the processor's least
+        // pixels (56²) and grows to 56.
+        assert_eq!(
+            (run.side, run.adapters, run.ranks),
+            (112, vec![1, 2, 4], vec![8, 16])
+        );
+        let small = BenchSpec {
+            side: 20,
+            ..spec.clone()
+        };
+        assert_eq!(small.as_run().unwrap().side, 56);
+        let too_many = BenchSpec {
+            adapters: vec![1, 5],
+            ..spec
+        };
+        let refused = too_many.as_run().unwrap_err().to_string();
+        assert!(
+            refused.contains("5 distinct adapters") && refused.contains("4 images"),
+            "{refused}"
+        );
     }
 
     #[test]

@@ -13,20 +13,20 @@ use serde::Serialize;
 
 use super::{
     Compute, Preset, RunSetup, engine_with_adapters, in_turns, median, mixed_batch, random_images,
+    resized_side, steps,
 };
 use crate::device::{Precision, RuntimeDevice};
 use crate::engine::{Engine, EngineError, Request};
 use crate::lora::ops::ShrinkKernel;
 use crate::model::gemm::LinearKernel;
 use crate::model::qwen2_vl::Qwen2VlVision;
-use crate::preprocess::PreprocessConfig;
 
 /// What to sweep.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ScaleSpec {
     /// The model shape.
     pub preset: Preset,
-    /// Side of each (square) image in pixels.
+    /// Side of each (square) image in pixels (resized as the image processor resizes it).
     pub side: usize,
     /// Adapter rank.
     pub rank: usize,
@@ -114,15 +114,14 @@ pub fn run(
     device: &RuntimeDevice,
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<ScaleRecord>, EngineError> {
+    let spec = &ScaleSpec {
+        side: resized_side(spec.side)?,
+        ..spec.clone()
+    };
     let config = spec.preset.config();
     let model = Qwen2VlVision::random(config.clone(), &device.device);
     let most_images = spec.images.iter().copied().chain([spec.adapter_images]);
-    let requests = random_images(
-        most_images.max().unwrap_or(1),
-        spec.side,
-        &config,
-        &PreprocessConfig::default(),
-    )?;
+    let requests = random_images(most_images.max().unwrap_or(1), spec.side, &config);
     let sweep = Sweep {
         spec,
         device,
@@ -246,7 +245,7 @@ impl Sweep<'_> {
         Ok(Warm {
             engine,
             batch,
-            steps: encoded.iter().map(|e| e.step + 1).max().unwrap_or(0),
+            steps: steps(&encoded),
             peak_rss_mib: rss_reset.then(peak_rss_bytes).flatten().map(mib),
             device_reserved_mib: self
                 .device

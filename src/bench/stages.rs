@@ -19,7 +19,6 @@ use crate::device::RuntimeDevice;
 use crate::engine::{EngineError, ImageSource, Request};
 use crate::model::qwen2_vl::{Qwen2VlVision, VisionConfig};
 use crate::model::stages::{Stage, StageClock, StageTime};
-use crate::preprocess::PreprocessConfig;
 
 /// One stage's share of a configuration's clocked pass.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -62,16 +61,12 @@ pub fn run(
     device: &RuntimeDevice,
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<StageProfile>, EngineError> {
+    let spec = &spec.as_run()?;
     let config = spec.preset.config();
     let clock = StageClock::new(&device.device);
     let mut model = Qwen2VlVision::random(config.clone(), &device.device);
     model.set_stage_clock(clock.clone());
-    let requests = random_images(
-        spec.images,
-        spec.side,
-        &config,
-        &PreprocessConfig::default(),
-    )?;
+    let requests = random_images(spec.images, spec.side, &config);
     let kernel = spec.linear_kernel.resolve(device);
     let compute = spec.compute(kernel);
     let rank = spec.ranks.first().copied().unwrap_or(1);

@@ -111,7 +111,7 @@ fn check_ranges(args: &BenchArgs) -> Result<(), CliError> {
         ("--side", args.side.as_slice(), 1, MAX_SIDE),
         ("--adapters", &args.adapters, 1, MAX_LORAS),
         ("--ranks", &args.ranks, 1, MAX_RANK),
-        ("--repeats", &[args.repeats], 0, MAX_REPEATS),
+        ("--repeats", &[args.repeats], 1, MAX_REPEATS),
         (
             "--op-rows",
             args.op_rows.as_deref().unwrap_or_default(),
@@ -141,6 +141,15 @@ fn check_ranges(args: &BenchArgs) -> Result<(), CliError> {
 pub fn run(args: BenchArgs) -> Result<(), CliError> {
     check_ranges(&args)?;
     if let Some(plot) = &args.plot {
+        let png = plot
+            .extension()
+            .is_some_and(|extension| extension.eq_ignore_ascii_case("png"));
+        if !png {
+            return Err(CliError::Usage(format!(
+                "--plot {}: the plot is a PNG; name the file *.png",
+                plot.display()
+            )));
+        }
         check_writable(plot)?;
     }
     let runtime = device::select(args.device)?;
@@ -164,7 +173,14 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         precision: args.precision,
         linear_kernel: args.linear_kernel,
         lora_shrink: args.lora_shrink,
-    };
+    }
+    .as_run()?;
+    if spec.side != side {
+        eprintln!(
+            "images of {side}² run as {}² (the image processor's resize)",
+            spec.side
+        );
+    }
     if args.stages {
         return run_stages(&spec, &runtime, args.json);
     }
