@@ -342,6 +342,37 @@ impl PeftAdapter {
     }
 }
 
+impl PeftAdapter {
+    /// Refuses an adapter holding a value of A, or of B with its scale folded in, beyond f16's
+    /// largest finite value (65 504), for a model that computes in f16: cast to f16 it would
+    /// become infinite, and every row of the adapter's slot would turn to inf or NaN.
+    pub fn check_fits_f16(&self) -> Result<(), AdapterError> {
+        let largest = f32::from(half::f16::MAX);
+        for (path, module) in &self.modules {
+            for (matrix, values) in [("A", &module.a), ("B", &module.b)] {
+                if let Some(at) = values.iter().position(|v| v.abs() > largest) {
+                    let scaled = if matrix == "B" {
+                        format!(" (scaled by {})", module.scale)
+                    } else {
+                        String::new()
+                    };
+                    return Err(AdapterError::Incompatible {
+                        adapter: self.name.clone(),
+                        path: self.dir.clone(),
+                        key: path.clone(),
+                        reason: format!(
+                            "{matrix}{scaled} holds {} at element {at}, beyond f16's largest \
+                             finite value {largest}; the model computes in f16",
+                            values[at]
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl AdapterConfig {
     /// The factor folded into B for a module of `rank` and `alpha`: `alpha/r`, or `alpha/√r`
     /// with rsLoRA.
@@ -670,6 +701,24 @@ mod tests {
 
     fn scale_of(adapter: &PeftAdapter, path: &str) -> f64 {
         adapter.modules[path].scale
+    }
+
+    #[test]
+    fn weights_beyond_f16_are_refused_for_f16() {
+        let keys = pair("model.visual.", "blocks.0.attn.qkv");
+        let keys = [keys[0].as_str(), keys[1].as_str()];
+        // Every value 1, so B scaled is alpha / r: f16's largest finite value fits, the next
+        // f32 above it does not (WGSL leaves an out-of-range conversion's value undefined).
+        let at = |alpha: f32| {
+            let config = format!(r#"{{"r": 2, "lora_alpha": {}}}"#, f64::from(alpha) * 2.0);
+            load(&config, &keys).unwrap().check_fits_f16()
+        };
+        assert!(at(65_504.0).is_ok());
+        let refused = at(65_504.0_f32.next_up()).unwrap_err().to_string();
+        assert!(
+            refused.contains("blocks.0.attn.qkv") && refused.contains("B (scaled by 65504.00"),
+            "{refused}"
+        );
     }
 
     #[test]

@@ -195,6 +195,33 @@ fn f16_on_the_gpu_stays_close_to_peft_in_f32() {
 }
 
 #[test]
+fn an_adapter_beyond_f16_is_refused_in_f16_and_changes_nothing() {
+    let Some(gpu) = device::gpu_for_tests() else {
+        return;
+    };
+    let options = EngineOptions {
+        precision: Precision::F16,
+        ..EngineOptions::default()
+    };
+    let mut engine = engine(&gpu, options);
+    let names = engine.adapter_names();
+    let targets = engine.model().lora_targets();
+    let mut adapter = mmlora::bench::random_adapter("loud", &targets, 4, 0);
+    let path = targets[0].path.clone();
+    // Cast to f16 it would be infinite, and so would every row on this adapter.
+    adapter.modules.get_mut(&path).unwrap().b[3] = 7e4;
+    let error = engine.insert_adapter(adapter.clone()).unwrap_err();
+    assert!(
+        error.to_string().contains(&path) && error.to_string().contains("f16"),
+        "{error}"
+    );
+    assert_eq!(engine.adapter_names(), names);
+    // The same adapter serves in f32.
+    let mut f32_engine = Engine::open(&fixture_dir(), gpu, EngineOptions::default()).unwrap();
+    f32_engine.insert_adapter(adapter).unwrap();
+}
+
+#[test]
 fn f16_is_refused_where_the_device_cannot_compute_it() {
     let options = EngineOptions {
         precision: Precision::F16,

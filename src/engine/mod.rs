@@ -350,13 +350,23 @@ impl Engine {
         adapter: PeftAdapter,
     ) -> Result<Arc<PeftAdapter>, EngineError> {
         adapter.check(&self.model.lora_targets(), self.options.max_rank)?;
-        Ok(self.register(adapter))
+        self.register(adapter)
     }
 
-    /// Registers an adapter already validated against this model.
-    fn register(&mut self, adapter: PeftAdapter) -> Arc<PeftAdapter> {
+    /// Refuses an adapter whose weights the engine's precision cannot hold.
+    fn check_precision(&self, adapter: &PeftAdapter) -> Result<(), EngineError> {
+        if self.options.precision == Precision::F16 {
+            adapter.check_fits_f16()?;
+        }
+        Ok(())
+    }
+
+    /// Registers an adapter already validated against this model's targets, once its weights
+    /// fit the engine's precision.
+    fn register(&mut self, adapter: PeftAdapter) -> Result<Arc<PeftAdapter>, EngineError> {
+        self.check_precision(&adapter)?;
         let key = self.registry.insert(adapter);
-        self.loaded(key)
+        Ok(self.loaded(key))
     }
 
     /// The weights of an adapter just registered (so in memory), marked most recently used.
@@ -370,6 +380,7 @@ impl Engine {
     fn read_adapter(&mut self, name: &str, dir: &Path) -> Result<AdapterKey, EngineError> {
         let targets = self.model.lora_targets();
         let adapter = PeftAdapter::load(name, dir, &targets, self.options.max_rank)?;
+        self.check_precision(&adapter)?;
         tracing::info!(adapter = name, dir = %dir.display(), "adapter loaded");
         Ok(self.registry.insert(adapter))
     }

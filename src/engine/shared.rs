@@ -48,7 +48,7 @@ impl SharedEngine {
     /// [`Engine::load_adapter`]: the folder is read and validated before the lock is taken.
     pub fn load_adapter(&self, name: &str, dir: &Path) -> Result<Arc<PeftAdapter>, EngineError> {
         let adapter = PeftAdapter::load(name, dir, &self.inner.targets, self.inner.max_rank)?;
-        Ok(self.lock()?.register(adapter))
+        self.lock()?.register(adapter)
     }
 
     /// [`Engine::insert_adapter`].
