@@ -10,7 +10,6 @@ use eframe::egui::{
     Vec2, ViewportCommand,
 };
 use egui_plot::{Line, Plot, PlotPoints, Points};
-use mmlora::adapters::PeftAdapter;
 use mmlora::device::RuntimeDevice;
 
 use crate::analysis::{Heat, RunResult};
@@ -19,7 +18,8 @@ use crate::worker::{self, AdapterInfo, BatchRow, Compute, Job, Reply};
 /// Set when a screenshot run saw an error, so the process can exit with 1.
 pub static SCREENSHOT_RUN_FAILED: AtomicBool = AtomicBool::new(false);
 
-/// The bundled adapters and the preset batch (image, adapter) run at start.
+/// The bundled adapters and the preset batch (image, adapter) run at start: those of them the
+/// model folder has (another model may have none).
 const PRESET_ADAPTERS: [&str; 4] = ["all-r4", "rslora-r8", "tower-r2", "patterns"];
 const PRESET_BATCH: [(&str, Option<&str>); 5] = [
     ("square.png", Some("all-r4")),
@@ -30,6 +30,8 @@ const PRESET_BATCH: [(&str, Option<&str>); 5] = [
 ];
 /// The largest side of the heatmap view, in points.
 const HEATMAP_SIDE: f32 = 360.0;
+/// The largest side of an image as the heatmap shows it, in pixels.
+const PICTURE_SIDE: u32 = 768;
 
 /// `--screenshot FILE --frames N`: after the preset run, N frames, a screenshot, exit.
 pub struct ScreenshotPlan {
@@ -55,13 +57,25 @@ impl ScreenshotPlan {
 
 struct ImageEntry {
     path: PathBuf,
-    texture: Option<TextureHandle>,
+    picture: Picture,
 }
+
+/// An image as the heatmap shows it: decoded on a thread of its own when first shown.
+enum Picture {
+    NotLoaded,
+    Loading,
+    Ready(TextureHandle),
+}
+
+/// An image decoded and shrunk for the heatmap, or why it could not be.
+type Decoded = (PathBuf, Result<ColorImage, String>);
 
 /// The demo's state.
 pub struct DemoApp {
     jobs: Sender<Job>,
     replies: Receiver<Reply>,
+    decoder: Sender<Decoded>,
+    decoded: Receiver<Decoded>,
     gpu: Option<String>,
     compute: Compute,
     images: Vec<ImageEntry>,
@@ -82,7 +96,8 @@ pub struct DemoApp {
 }
 
 impl DemoApp {
-    /// Starts the compute thread, loads the bundled adapters and runs the preset batch.
+    /// Starts the compute thread, loads the bundled adapters and runs the preset batch (those
+    /// of them that `model_dir` has).
     pub fn new(
         cc: &eframe::CreationContext<'_>,
         model_dir: PathBuf,
@@ -91,6 +106,7 @@ impl DemoApp {
     ) -> Self {
         let (jobs, job_queue) = channel();
         let (reply_sender, replies) = channel();
+        let (decoder, decoded) = channel();
         let ctx = cc.egui_ctx.clone();
         let worker_gpu = gpu.clone();
         let worker_model = model_dir.clone();
@@ -106,6 +122,8 @@ impl DemoApp {
         let mut app = Self {
             jobs,
             replies,
+            decoder,
+            decoded,
             compute: if gpu.is_some() {
                 Compute::Gpu
             } else {
@@ -126,24 +144,32 @@ impl DemoApp {
             screenshot,
             drawn: [None; 2],
         };
-        for entry in std::fs::read_dir(model_dir.join("images"))
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            app.add_image(entry.path());
+        let images = model_dir.join("images");
+        for entry in std::fs::read_dir(&images).into_iter().flatten().flatten() {
+            if entry.path().is_file() {
+                app.add_image(entry.path());
+            }
         }
         app.images.sort_by(|a, b| a.path.cmp(&b.path));
-        for name in PRESET_ADAPTERS {
+        let adapters: Vec<&str> = PRESET_ADAPTERS
+            .into_iter()
+            .filter(|name| is_adapter(&model_dir.join("adapters").join(name)))
+            .collect();
+        for name in &adapters {
             app.load_adapter(model_dir.join("adapters").join(name));
         }
         for (image, adapter) in PRESET_BATCH {
-            app.batch.push(BatchRow {
-                image: model_dir.join("images").join(image),
-                adapter: adapter.map(str::to_owned),
-            });
+            let image = images.join(image);
+            if image.is_file() && adapter.is_none_or(|a| adapters.contains(&a)) {
+                app.batch.push(BatchRow {
+                    image,
+                    adapter: adapter.map(str::to_owned),
+                });
+            }
         }
-        app.run();
+        if !app.batch.is_empty() {
+            app.run();
+        }
         app
     }
 
@@ -151,14 +177,24 @@ impl DemoApp {
         if !self.images.iter().any(|i| i.path == path) {
             self.images.push(ImageEntry {
                 path,
-                texture: None,
+                picture: Picture::NotLoaded,
             });
         }
     }
 
+    /// Asks the worker to load the PEFT folder `dir`, or says why it is not one.
     fn load_adapter(&mut self, dir: PathBuf) {
-        let name = PeftAdapter::name_for(&dir);
-        let _ = self.jobs.send(Job::LoadAdapter { name, dir });
+        if is_adapter(&dir) {
+            let _ = self.jobs.send(Job::LoadAdapter {
+                dir,
+                on: self.compute,
+            });
+        } else {
+            self.errors.push(format!(
+                "{} is not a PEFT adapter folder: it has no adapter_config.json",
+                dir.display()
+            ));
+        }
     }
 
     fn run(&mut self) {
@@ -170,8 +206,26 @@ impl DemoApp {
         });
     }
 
-    /// Takes in what the worker finished.
-    fn receive(&mut self) {
+    /// Takes in what the worker and the image decoders finished.
+    fn receive(&mut self, ctx: &egui::Context) {
+        while let Ok((path, decoded)) = self.decoded.try_recv() {
+            match decoded {
+                Ok(pixels) => {
+                    if let Some(entry) = self.images.iter_mut().find(|i| i.path == path) {
+                        let texture = ctx.load_texture(
+                            path.display().to_string(),
+                            pixels,
+                            TextureOptions::LINEAR,
+                        );
+                        entry.picture = Picture::Ready(texture);
+                    }
+                }
+                Err(error) => {
+                    self.errors.push(error);
+                    self.images.retain(|i| i.path != path);
+                }
+            }
+        }
         loop {
             let reply = match self.replies.try_recv() {
                 Ok(reply) => reply,
@@ -208,36 +262,25 @@ impl DemoApp {
         }
     }
 
-    /// The texture of image `path`, decoded on first use (small images; the window shows them
-    /// at a few hundred points).
+    /// The texture of image `path` once it is decoded; the first call starts decoding it on a
+    /// thread of its own, so that a large image does not stall the window.
     fn texture(&mut self, ctx: &egui::Context, path: &Path) -> Option<TextureHandle> {
         let entry = self.images.iter_mut().find(|i| i.path == path)?;
-        if entry.texture.is_none() {
-            match mmlora::preprocess::load_image(path) {
-                Ok(image) => {
-                    let image = image::imageops::thumbnail(
-                        &image,
-                        image.width().min(768),
-                        image.height() * image.width().min(768) / image.width().max(1),
-                    );
-                    let pixels = ColorImage::from_rgb(
-                        [image.width() as usize, image.height() as usize],
-                        image.as_raw(),
-                    );
-                    entry.texture = Some(ctx.load_texture(
-                        path.display().to_string(),
-                        pixels,
-                        TextureOptions::LINEAR,
-                    ));
-                }
-                Err(error) => {
-                    self.errors.push(error.to_string());
-                    self.images.retain(|i| i.path != path);
-                    return None;
-                }
+        match &entry.picture {
+            Picture::Ready(texture) => Some(texture.clone()),
+            Picture::Loading => None,
+            Picture::NotLoaded => {
+                entry.picture = Picture::Loading;
+                let (decoder, path, ctx) = (self.decoder.clone(), path.to_owned(), ctx.clone());
+                std::thread::spawn(move || {
+                    let pixels = decode_picture(&path);
+                    if decoder.send((path, pixels)).is_ok() {
+                        ctx.request_repaint();
+                    }
+                });
+                None
             }
         }
-        entry.texture.clone()
     }
 
     fn screenshot_step(&mut self, ctx: &egui::Context) {
@@ -245,7 +288,11 @@ impl DemoApp {
             return;
         };
         ctx.request_repaint();
-        if self.running {
+        let decoding = self
+            .images
+            .iter()
+            .any(|i| matches!(i.picture, Picture::Loading));
+        if self.running || decoding {
             return;
         }
         if let Some(outcome) = plan.saved.lock().expect("not poisoned").take() {
@@ -290,10 +337,10 @@ impl DemoApp {
 impl eframe::App for DemoApp {
     fn ui(&mut self, ui: &mut egui::Ui, _frame: &mut eframe::Frame) {
         let ctx = ui.ctx().clone();
-        self.receive();
+        self.receive(&ctx);
         for file in ctx.input(|i| i.raw.dropped_files.clone()) {
             let path = file.path().to_owned();
-            if path.join("adapter_config.json").exists() {
+            if path.is_dir() {
                 self.load_adapter(path);
             } else if !path.as_os_str().is_empty() {
                 self.add_image(path);
@@ -677,6 +724,24 @@ fn colormap(t: f32) -> Color32 {
     let f = (t - t0) / (t1 - t0);
     let mix = |k: usize| (a[k] + (b[k] - a[k]) * f) as u8;
     Color32::from_rgb(mix(0), mix(1), mix(2))
+}
+
+/// Whether `dir` is a PEFT adapter folder (has an `adapter_config.json`).
+fn is_adapter(dir: &Path) -> bool {
+    dir.join("adapter_config.json").is_file()
+}
+
+/// The image at `path`, shrunk to fit `PICTURE_SIDE` pixels.
+fn decode_picture(path: &Path) -> Result<ColorImage, String> {
+    let image = mmlora::preprocess::load_image(path).map_err(|e| e.to_string())?;
+    let (width, height) = image.dimensions();
+    let scale = (f64::from(PICTURE_SIDE) / f64::from(width.max(height).max(1))).min(1.0);
+    let fit = |side: u32| ((f64::from(side) * scale).round() as u32).max(1);
+    let image = image::imageops::thumbnail(&image, fit(width), fit(height));
+    Ok(ColorImage::from_rgb(
+        [image.width() as usize, image.height() as usize],
+        image.as_raw(),
+    ))
 }
 
 fn file_name(path: &Path) -> String {

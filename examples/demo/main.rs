@@ -2,7 +2,9 @@
 //!
 //! `cargo run --release --example demo` opens the window; `-- --screenshot FILE.png --frames N`
 //! runs the preset batch, renders N frames after it finished, saves a screenshot and exits
-//! (exit code 1 if anything failed), so the demo can be checked without a person.
+//! (exit code 1 if anything failed), so the demo can be checked without a person. With another
+//! `--model`, only the bundled adapters, images and preset rows that its folder has are loaded
+//! (none for a checkpoint from the hub, which starts with an empty batch and runs nothing).
 //!
 //! The window and the engine share one wgpu device: Burn opens it, egui renders on it.
 

@@ -1,10 +1,11 @@
 //! The demo's compute thread: it owns the engines (one per compute device, opened on first
 //! use) so the window never waits on the model.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Receiver, Sender};
 use std::time::Instant;
 
+use mmlora::adapters::PeftAdapter;
 use mmlora::device::{self, RuntimeDevice};
 use mmlora::engine::{Engine, EngineOptions, ImageSource, Request};
 use mmlora::model::qwen2_vl::LoraTarget;
@@ -31,12 +32,12 @@ pub struct BatchRow {
 
 /// What the window asks of the worker.
 pub enum Job {
-    /// Load (or replace) an adapter.
+    /// Load the PEFT adapter in a folder; loading a folder again reloads it under its name.
     LoadAdapter {
-        /// Its name.
-        name: String,
         /// Its PEFT folder.
         dir: PathBuf,
+        /// Where to open the model if no engine is open yet.
+        on: Compute,
     },
     /// Forget an adapter.
     Unload(String),
@@ -52,7 +53,7 @@ pub enum Job {
 /// A loaded adapter, as the window lists it.
 #[derive(Debug, Clone)]
 pub struct AdapterInfo {
-    /// Its name.
+    /// Its name: its folder's name, with `-2`, `-3`, … when another folder has that name.
     pub name: String,
     /// Its folder.
     pub dir: PathBuf,
@@ -60,6 +61,30 @@ pub struct AdapterInfo {
     pub summary: String,
     /// The layers it covers.
     pub targets: String,
+}
+
+impl AdapterInfo {
+    fn of(adapter: &PeftAdapter) -> Self {
+        let config = &adapter.config;
+        let mut kinds: Vec<&str> = adapter
+            .modules
+            .keys()
+            .map(|p| LoraTarget::kind(p))
+            .collect();
+        kinds.sort_unstable();
+        kinds.dedup();
+        Self {
+            name: adapter.name.clone(),
+            dir: adapter.dir.clone(),
+            summary: format!(
+                "r {} · alpha {}{}",
+                config.r,
+                config.lora_alpha,
+                if config.use_rslora { " · rsLoRA" } else { "" }
+            ),
+            targets: format!("{} layers: {}", adapter.modules.len(), kinds.join(", ")),
+        }
+    }
 }
 
 /// What the worker tells the window.
@@ -74,7 +99,7 @@ pub enum Reply {
     RunDone(Box<RunResult>),
     /// A batch failed; nothing was computed.
     RunFailed(String),
-    /// Something failed; the engines are as they were.
+    /// Something failed; the engines and the adapters are as they were.
     Failed(String),
 }
 
@@ -94,7 +119,7 @@ pub fn serve(
     };
     for job in jobs {
         let reply = match job {
-            Job::LoadAdapter { name, dir } => worker.load(&name, dir),
+            Job::LoadAdapter { dir, on } => worker.load(dir, on),
             Job::Unload(name) => worker.unload(&name),
             Job::Run { rows, on } => {
                 let _ = replies.send(Reply::Progress(format!("encoding {} rows…", rows.len())));
@@ -112,12 +137,15 @@ pub fn serve(
 struct Worker {
     model_dir: PathBuf,
     gpu: Option<RuntimeDevice>,
+    /// The engines opened so far, each with every loaded adapter.
     engines: Vec<(Compute, Engine)>,
-    /// Every loaded adapter, to load into engines opened later.
+    /// Every loaded adapter's name and (canonical) folder.
     adapters: Vec<(String, PathBuf)>,
 }
 
 impl Worker {
+    /// The engine on `on`, opened now if this is its first use: a second engine is the first
+    /// one rebuilt on the other device, with its adapters taken from memory.
     fn engine(&mut self, on: Compute) -> Result<&mut Engine, String> {
         if let Some(i) = self.engines.iter().position(|(c, _)| *c == on) {
             return Ok(&mut self.engines[i].1);
@@ -126,54 +154,71 @@ impl Worker {
             Compute::Cpu => device::cpu(),
             Compute::Gpu => self.gpu.clone().ok_or("no GPU: use the CPU backend")?,
         };
-        let mut engine = Engine::open(&self.model_dir, runtime, EngineOptions::default())
-            .map_err(|e| e.to_string())?;
-        for (name, dir) in &self.adapters {
-            engine.load_adapter(name, dir).map_err(|e| e.to_string())?;
+        let engine = match self.engines.first() {
+            Some((_, first)) => first.rebuild(runtime),
+            None => Engine::open(&self.model_dir, runtime, EngineOptions::default()),
         }
+        .map_err(|e| e.to_string())?;
         self.engines.push((on, engine));
         Ok(&mut self.engines.last_mut().expect("just pushed").1)
     }
 
-    fn load(&mut self, name: &str, dir: PathBuf) -> Reply {
-        if self.engines.is_empty()
-            && let Err(error) = self.engine(Compute::Cpu)
-        {
-            return Reply::Failed(error);
+    fn load(&mut self, dir: PathBuf, on: Compute) -> Reply {
+        match self.try_load(&dir, on) {
+            Ok(info) => Reply::AdapterLoaded(info),
+            Err(error) => Reply::Failed(error),
         }
-        let mut info = None;
-        for (_, engine) in &mut self.engines {
-            match engine.load_adapter(name, &dir) {
-                Ok(adapter) => {
-                    let config = &adapter.config;
-                    let mut kinds: Vec<&str> = adapter
-                        .modules
-                        .keys()
-                        .map(|p| LoraTarget::kind(p))
-                        .collect();
-                    kinds.sort_unstable();
-                    kinds.dedup();
-                    info = Some(AdapterInfo {
-                        name: name.to_owned(),
-                        dir: dir.clone(),
-                        summary: format!(
-                            "r {} · alpha {}{}",
-                            config.r,
-                            config.lora_alpha,
-                            if config.use_rslora { " · rsLoRA" } else { "" }
-                        ),
-                        targets: format!("{} layers: {}", adapter.modules.len(), kinds.join(", ")),
-                    });
-                }
-                Err(error) => return Reply::Failed(error.to_string()),
-            }
+    }
+
+    /// Reads and checks the adapter once, against every open engine (opening the one on `on`
+    /// if none is), before it goes into any of them: an adapter that fails changes nothing.
+    fn try_load(&mut self, dir: &Path, on: Compute) -> Result<AdapterInfo, String> {
+        let dir = std::fs::canonicalize(dir)
+            .map_err(|e| format!("cannot read the adapter folder {}: {e}", dir.display()))?;
+        let name = self.name_for(&dir);
+        if self.engines.is_empty() {
+            self.engine(on)?;
         }
-        self.adapters.retain(|(n, _)| n != name);
-        self.adapters.push((name.to_owned(), dir));
-        info.map_or_else(
-            || Reply::Failed("no engine".to_owned()),
-            Reply::AdapterLoaded,
+        let (_, first) = &self.engines[0];
+        let adapter = PeftAdapter::load(
+            &name,
+            &dir,
+            &first.model().lora_targets(),
+            first.options().max_rank,
         )
+        .map_err(|e| e.to_string())?;
+        for (_, engine) in self.engines.iter().skip(1) {
+            adapter
+                .check(&engine.model().lora_targets(), engine.options().max_rank)
+                .map_err(|e| e.to_string())?;
+        }
+        for (_, engine) in &mut self.engines {
+            // Only the checks above can fail here (the demo's engines compute in f32, so the
+            // f16 range check cannot).
+            engine
+                .insert_adapter(adapter.clone())
+                .map_err(|e| e.to_string())?;
+        }
+        self.adapters.retain(|(n, _)| *n != name);
+        self.adapters.push((name, dir));
+        Ok(AdapterInfo::of(&adapter))
+    }
+
+    /// The name of the adapter in `dir`: the one it has if that folder is loaded (a reload
+    /// replaces it), else the folder's name, with `-2`, `-3`, … if another folder has it.
+    fn name_for(&self, dir: &Path) -> String {
+        if let Some((name, _)) = self.adapters.iter().find(|(_, d)| d == dir) {
+            return name.clone();
+        }
+        let base = PeftAdapter::name_for(dir);
+        let taken = |name: &str| self.adapters.iter().any(|(n, _)| n == name);
+        let mut name = base.clone();
+        let mut count = 1;
+        while taken(&name) {
+            count += 1;
+            name = format!("{base}-{count}");
+        }
+        name
     }
 
     fn unload(&mut self, name: &str) -> Reply {
