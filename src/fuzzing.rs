@@ -3,6 +3,7 @@
 //! here so that `tests/fuzz_corpus.rs` replays the committed corpora on stable Rust in CI.
 
 use std::collections::{HashMap, HashSet};
+use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::sync::LazyLock;
 
@@ -197,7 +198,9 @@ pub fn mapping(data: &[u8]) {
     let Ok(case) = case(&mut Unstructured::new(data)) else {
         return;
     };
-    let counts = SpatialMergeCounts { merge: case.merge };
+    let counts = SpatialMergeCounts {
+        merge: NonZeroUsize::new(case.merge).expect("decoded in 1..=4"),
+    };
     let Ok(Some(activation)) = set_active_mm_loras(
         &counts,
         &case.cache,

@@ -10,7 +10,10 @@
 //! This module only does bookkeeping: no tensors, no devices.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
+
+use crate::lora::meta::MAX_ROWS;
 
 /// An adapter's integer id, as vLLM's `lora_int_id`. [`NO_ADAPTER`] (0) means "no adapter".
 pub type AdapterId = u32;
@@ -198,16 +201,24 @@ pub trait MmTokenCounts {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SpatialMergeCounts {
     /// The spatial merge size (2 for Qwen2-VL).
-    pub merge: usize,
+    pub merge: NonZeroUsize,
+}
+
+impl SpatialMergeCounts {
+    /// Rows merged into one: `merge²` (saturating).
+    fn block(&self) -> usize {
+        self.merge.get().saturating_mul(self.merge.get())
+    }
 }
 
 impl MmTokenCounts for SpatialMergeCounts {
+    /// `num_embeds · merge²`, saturating (the builder refuses a count that large).
     fn encoder_tokens(&self, num_embeds: usize) -> usize {
-        num_embeds * self.merge * self.merge
+        num_embeds.saturating_mul(self.block())
     }
 
     fn connector_tokens(&self, tower_tokens: usize) -> Option<usize> {
-        Some(tower_tokens / (self.merge * self.merge))
+        Some(tower_tokens / self.block())
     }
 }
 
@@ -240,6 +251,17 @@ pub enum MappingError {
         item: usize,
         /// How many items the request has.
         available: usize,
+    },
+    /// A step maps more rows than the LoRA kernels index.
+    #[error(
+        "the step maps {rows} {kind:?} rows, more than the LoRA kernels index ({})",
+        MAX_ROWS
+    )]
+    TooManyRows {
+        /// Which mapping.
+        kind: LoraMappingKind,
+        /// Its rows, counting up to the first that overflowed (saturated at `usize::MAX`).
+        rows: usize,
     },
     /// A request's batch index is past the adapter state.
     #[error("request `{request}` has batch index {index}, past the LoRA state")]
@@ -316,6 +338,7 @@ pub fn set_active_mm_loras(
                 continue;
             }
             let tower_tokens = model.encoder_tokens(feature.position.num_embeds());
+            check_rows(LoraMappingKind::Tower, tower_mapping.len(), tower_tokens)?;
             prompt_mapping.push(adapter_id);
             tower_mapping.extend(std::iter::repeat_n(adapter_id, tower_tokens));
             tower_counts.push(tower_tokens);
@@ -340,7 +363,7 @@ pub fn set_active_mm_loras(
         return Ok(None);
     }
 
-    let connector = connector_mapping(model, &prompt_mapping, &tower_counts);
+    let connector = connector_mapping(model, &prompt_mapping, &tower_counts)?;
     Ok(Some(MmLoraActivation {
         adapters: adapters.into_values().collect(),
         tower: LoraMapping {
@@ -361,23 +384,36 @@ fn is_encoded(feature: &MmFeature, encoder_cache: &EncoderCache) -> bool {
         && !encoder_cache.encoder_outputs.contains(&feature.identifier)
 }
 
+/// Refuses adding `more` rows to a `kind` mapping of `rows` rows past [`MAX_ROWS`], before
+/// anything is allocated for them.
+fn check_rows(kind: LoraMappingKind, rows: usize, more: usize) -> Result<(), MappingError> {
+    let rows = rows.saturating_add(more);
+    if rows > MAX_ROWS {
+        return Err(MappingError::TooManyRows { kind, rows });
+    }
+    Ok(())
+}
+
 /// Repeats each item's id by its connector row count; `None` when the model has no connector.
 fn connector_mapping(
     model: &impl MmTokenCounts,
     prompt_mapping: &[AdapterId],
     tower_counts: &[usize],
-) -> Option<LoraMapping> {
+) -> Result<Option<LoraMapping>, MappingError> {
     let mut index_mapping = Vec::new();
     for (&adapter_id, &tower_tokens) in prompt_mapping.iter().zip(tower_counts) {
-        let rows = model.connector_tokens(tower_tokens)?;
+        let Some(rows) = model.connector_tokens(tower_tokens) else {
+            return Ok(None);
+        };
+        check_rows(LoraMappingKind::Connector, index_mapping.len(), rows)?;
         index_mapping.extend(std::iter::repeat_n(adapter_id, rows));
     }
-    Some(LoraMapping {
+    Ok(Some(LoraMapping {
         kind: LoraMappingKind::Connector,
         index_mapping,
         prompt_mapping: prompt_mapping.to_vec(),
         is_prefill: true,
-    })
+    }))
 }
 
 #[cfg(test)]
@@ -400,7 +436,9 @@ mod tests {
     }
 
     /// Qwen2-VL's counts.
-    const QWEN2_VL: SpatialMergeCounts = SpatialMergeCounts { merge: 2 };
+    const QWEN2_VL: SpatialMergeCounts = SpatialMergeCounts {
+        merge: NonZeroUsize::new(2).unwrap(),
+    };
 
     fn image(identifier: &str, offset: usize, length: usize) -> MmFeature {
         MmFeature {
@@ -447,6 +485,51 @@ mod tests {
             .iter()
             .map(|(req, idx)| (req.to_string(), idx.to_vec()))
             .collect()
+    }
+
+    #[test]
+    fn rows_past_the_kernels_are_refused_before_they_are_allocated() {
+        let (mut cache, index, state) = upstream_fixture();
+        let schedule = scheduled(&[("req-with-lora", &[0, 1])]);
+        // 2^30 embeds are 2^32 tower rows at merge 2; the second item's count overflows usize.
+        let huge = [1 << 30, usize::MAX];
+        for length in huge {
+            cache.mm_features.insert(
+                "req-with-lora".to_owned(),
+                vec![image("img-0", 0, 2), image("img-1", 2, length)],
+            );
+            let refused = set_active_mm_loras(&QWEN2_VL, &cache, &index, &state, &schedule);
+            let Err(MappingError::TooManyRows { kind, rows }) = refused else {
+                panic!("{length} embeds: {refused:?}");
+            };
+            assert_eq!(kind, LoraMappingKind::Tower);
+            assert_eq!(rows, 8usize.saturating_add(length.saturating_mul(4)));
+        }
+        // A connector with more rows than the kernels index, behind a tower within them.
+        struct Wide;
+        impl MmTokenCounts for Wide {
+            fn encoder_tokens(&self, num_embeds: usize) -> usize {
+                num_embeds
+            }
+            fn connector_tokens(&self, _: usize) -> Option<usize> {
+                Some(MAX_ROWS + 1)
+            }
+        }
+        cache.mm_features.insert(
+            "req-with-lora".to_owned(),
+            vec![image("img-0", 0, 2), image("img-1", 2, 3)],
+        );
+        let refused = set_active_mm_loras(&Wide, &cache, &index, &state, &schedule);
+        assert!(
+            matches!(
+                refused,
+                Err(MappingError::TooManyRows {
+                    kind: LoraMappingKind::Connector,
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
     }
 
     #[test]

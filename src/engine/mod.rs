@@ -14,6 +14,7 @@ pub use shared::SharedEngine;
 
 use std::any::Any;
 use std::collections::{HashMap, HashSet};
+use std::num::NonZeroUsize;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -547,7 +548,9 @@ impl Engine {
             scheduled.push((request.id.clone(), vec![0]));
         }
         let activation = set_active_mm_loras(
-            &SpatialMergeCounts { merge },
+            &SpatialMergeCounts {
+                merge: NonZeroUsize::new(merge).expect("the config refuses a merge size of 0"),
+            },
             &cache,
             &batch_index,
             &state,

@@ -5,10 +5,15 @@
 //! slot; each active slot gets its row count and a start offset into the sorted order (with a
 //! leading 0); a batch where every row is [`NO_SLOT`] carries the no-LoRA flag.
 
+use std::num::NonZeroUsize;
+
 use crate::mapping::{AdapterId, LoraMapping, NO_ADAPTER};
 
 /// The slot of rows that use no adapter.
 pub const NO_SLOT: i32 = -1;
+
+/// The most rows one batch's metadata holds: the kernels index rows with `i32`.
+pub const MAX_ROWS: usize = i32::MAX as usize;
 
 /// Errors building slot tables and kernel metadata.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -26,6 +31,20 @@ pub enum MetaError {
     AdapterNotActive {
         /// The adapter id.
         id: AdapterId,
+    },
+    /// Every slot is taken, and `id` needs one.
+    #[error("adapter id {id} needs a slot but all {slots} are taken (max_loras)")]
+    NoFreeSlot {
+        /// The adapter id.
+        id: AdapterId,
+        /// Slots available.
+        slots: usize,
+    },
+    /// More rows than the kernels index (they address rows with 32-bit signed integers).
+    #[error("{rows} rows are more than the LoRA kernels index ({})", MAX_ROWS)]
+    TooManyRows {
+        /// The rows given.
+        rows: usize,
     },
     /// A row's slot is neither [`NO_SLOT`] nor below the slot count.
     #[error("row {row} has slot {slot}, outside -1..{slots}")]
@@ -82,12 +101,14 @@ impl SlotTable {
         if let Some(slot) = self.slot_of(id) {
             return Ok(slot);
         }
-        let free = self.slots.iter().position(Option::is_none).ok_or({
-            MetaError::TooManyAdapters {
-                distinct: self.slots.len() + 1,
+        let free = self
+            .slots
+            .iter()
+            .position(Option::is_none)
+            .ok_or(MetaError::NoFreeSlot {
+                id,
                 slots: self.slots.len(),
-            }
-        })?;
+            })?;
         self.slots[free] = Some(id);
         Ok(free)
     }
@@ -168,12 +189,20 @@ impl KernelMeta {
         Self::from_token_slots(token_slots, table.num_slots())
     }
 
-    /// Metadata for rows whose slots are given directly (each [`NO_SLOT`] or below `num_slots`).
+    /// Metadata for rows whose slots are given directly (each [`NO_SLOT`] or below `num_slots`),
+    /// at most [`MAX_ROWS`] of them.
     pub fn from_token_slots(token_slots: Vec<i32>, num_slots: usize) -> Result<Self, MetaError> {
+        if token_slots.len() > MAX_ROWS {
+            return Err(MetaError::TooManyRows {
+                rows: token_slots.len(),
+            });
+        }
+        let in_range =
+            |slot: i32| slot == NO_SLOT || usize::try_from(slot).is_ok_and(|s| s < num_slots);
         if let Some((row, &slot)) = token_slots
             .iter()
             .enumerate()
-            .find(|&(_, &slot)| slot < NO_SLOT || slot >= num_slots as i32)
+            .find(|&(_, &slot)| !in_range(slot))
         {
             return Err(MetaError::SlotOutOfRange {
                 row,
@@ -265,7 +294,8 @@ impl KernelMeta {
     }
 
     /// The adapter-using segments cut into tiles of at most `rows` rows each.
-    pub fn tiles(&self, rows: usize) -> impl Iterator<Item = Segment> + '_ {
+    pub fn tiles(&self, rows: NonZeroUsize) -> impl Iterator<Item = Segment> + '_ {
+        let rows = rows.get();
         self.lora_segments().flat_map(move |segment| {
             (0..segment.len).step_by(rows).map(move |offset| Segment {
                 slot: segment.slot,
@@ -361,10 +391,10 @@ mod tests {
         let mut table = SlotTable::new(1);
         assert_eq!(table.activate(5), Ok(0));
         assert_eq!(table.activate(5), Ok(0));
-        assert!(matches!(
+        assert_eq!(
             table.activate(6),
-            Err(MetaError::TooManyAdapters { .. })
-        ));
+            Err(MetaError::NoFreeSlot { id: 6, slots: 1 })
+        );
         table.deactivate(5);
         assert_eq!(table.activate(6), Ok(0));
 
@@ -402,13 +432,16 @@ mod tests {
             })
         );
         assert!(KernelMeta::from_token_slots(vec![-2], 2).is_err());
+        // A slot count past i32 (it wrapped to a negative bound, refusing every slot).
+        let meta = KernelMeta::from_token_slots(vec![5, NO_SLOT], 1 << 31).unwrap();
+        assert_eq!(meta.active_slots(), &[NO_SLOT, 5]);
     }
 
     #[test]
     fn tiles_cut_segments_without_crossing_slots() {
         let slots = [vec![NO_SLOT; 4], vec![0; 5], vec![1; 2]].concat();
         let meta = KernelMeta::from_token_slots(slots, 2).unwrap();
-        let tiles: Vec<_> = meta.tiles(2).collect();
+        let tiles: Vec<_> = meta.tiles(NonZeroUsize::new(2).unwrap()).collect();
         let expect = |slot, start, len| Segment { slot, start, len };
         assert_eq!(
             tiles,
@@ -442,7 +475,7 @@ mod tests {
             rows.sort_unstable();
             prop_assert_eq!(rows, (0..slots.len() as u32).collect::<Vec<_>>());
             prop_assert_eq!(meta.no_lora(), slots.iter().all(|&s| s == NO_SLOT));
-            let tiled: usize = meta.tiles(16).map(|tile| tile.len).sum();
+            let tiled: usize = meta.tiles(NonZeroUsize::new(16).unwrap()).map(|tile| tile.len).sum();
             prop_assert_eq!(tiled, slots.iter().filter(|&&s| s != NO_SLOT).count());
         }
     }

@@ -18,6 +18,7 @@ pub mod native;
 pub(crate) mod testing;
 pub mod wgsl;
 
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 
 use burn::backend::{
@@ -34,6 +35,9 @@ pub const MAX_RANK: usize = 512;
 
 /// Rows per tile: the WGSL kernels give each workgroup up to this many rows of one slot.
 pub const TILE_ROWS: usize = 16;
+
+/// [`TILE_ROWS`] as [`KernelMeta::tiles`] takes it.
+const TILE: NonZeroUsize = NonZeroUsize::new(TILE_ROWS).expect("tiles hold rows");
 
 /// Which shader computes the shrink (`x · A[slot]ᵀ`) on a wgpu device; the CPU backend has one
 /// implementation and ignores it.
@@ -126,7 +130,7 @@ impl LoraBatch {
     pub fn with_shrink(meta: KernelMeta, device: &RuntimeDevice, shrink: ShrinkKernel) -> Self {
         let sorted: Vec<i32> = meta.sorted_tokens().iter().map(|&r| r as i32).collect();
         let tiles: Vec<i32> = meta
-            .tiles(TILE_ROWS)
+            .tiles(TILE)
             .flat_map(|t| [t.slot, t.start as i32, t.len as i32, 0])
             .collect();
         let upload = |v: Vec<i32>| {
@@ -229,7 +233,7 @@ pub fn lora_apply(
     batch: &LoraBatch,
 ) -> Result<Tensor<2>, LoraOpError> {
     for slice in slices {
-        check(&x, &base, slice, batch.meta())?;
+        check(&x, &base, slice, batch)?;
     }
     if batch.meta().no_lora() {
         return Ok(base);
@@ -256,8 +260,9 @@ fn check(
     x: &Tensor<2>,
     base: &Tensor<2>,
     slice: &LoraSlice,
-    meta: &KernelMeta,
+    batch: &LoraBatch,
 ) -> Result<(), LoraOpError> {
+    let meta = batch.meta();
     let [rows, in_features] = x.dims();
     let [base_rows, out_total] = base.dims();
     let [slots, rank, a_in] = slice.a.dims();
@@ -285,6 +290,7 @@ fn check(
         ("base", base.device()),
         ("lora_a", slice.a.device()),
         ("lora_b", slice.b.device()),
+        ("batch", batch.sorted_tokens.device()),
     ] {
         if other != device {
             return Err(LoraOpError::Device { tensor });
@@ -441,6 +447,18 @@ mod tests {
                 ..
             }
         ));
+        // The metadata uploaded to another device (a GPU, where there is one).
+        if let Some(gpu) = device::gpu_for_tests() {
+            assert_eq!(
+                run(
+                    &x,
+                    &base,
+                    slice(2, 4, 8, 12, 0),
+                    &batch_on(vec![0, NO_SLOT, 1], 2, &gpu)
+                ),
+                LoraOpError::Device { tensor: "batch" }
+            );
+        }
     }
 
     #[test]

@@ -24,7 +24,7 @@ use burn_cubecl::cubecl::prelude::KernelId;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
-use super::{LoraBackend, LoraPlan, ShrinkKernel, TILE_ROWS};
+use super::{LoraBackend, LoraPlan, ShrinkKernel, TILE, TILE_ROWS};
 use crate::wgsl::{self, Elem};
 
 /// Invocations per workgroup of `lora_shrink.wgsl` and the expand shaders (`{{ workgroup }}`).
@@ -335,7 +335,7 @@ impl LoraBackend for CubeBackend {
         let in_features = x.meta.shape()[1];
         let out_total = output.meta.shape()[1];
         let [_, out_features, rank] = [b.meta.shape()[0], b.meta.shape()[1], b.meta.shape()[2]];
-        let n_tiles = plan.meta.tiles(TILE_ROWS).count();
+        let n_tiles = plan.meta.tiles(TILE).count();
         let rank_tile = rank_tile(rank);
         let elem = Elem::of(x.dtype);
         let shrink = LoraShader::shrink(plan.shrink, in_features);
