@@ -496,9 +496,14 @@ mod tests {
         for shader in LoraShader::ALL {
             assert!(launched.contains(&shader), "no edge case runs {shader:?}");
         }
+        // The same in f16 where the device has it: the f16 kernels are other shaders.
+        let f16 = device::gpu_for_tests().filter(|gpu| gpu.supports(crate::device::Precision::F16));
         for problem in &problems {
             for shrink in shrinks {
                 check(problem, shrink);
+                if let Some(gpu) = &f16 {
+                    check_f16(problem, gpu, shrink);
+                }
             }
         }
     }
