@@ -26,6 +26,7 @@ use burn::backend::TensorMetadata;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::wgpu::{CubeBackend, KernelSource, SourceTemplate};
 use burn::backend::{Backend, Dispatch, Flex, backend_extension};
+use burn::tensor::wgpu::WgpuSetup;
 use burn::tensor::{DType, Shape, Tensor, TensorData};
 use burn_cubecl::cubecl::ir::attributes::BufferIOAttr;
 use burn_cubecl::cubecl::prelude::KernelId;
@@ -109,11 +110,13 @@ pub enum LinearKernel {
     /// is a multiple of 4 (else Burn's).
     Wgsl,
     /// `shaders/linear_tiled.wgsl` (blocks in workgroup memory, for hardware GPUs), where every
-    /// width is a multiple of 4 (else Burn's).
+    /// width is a multiple of 4 and the device's workgroups take its [`TILED_WORKGROUP`]
+    /// invocations (else Burn's).
     Tiled,
     /// `shaders/linear_coop.wgsl` (cooperative matrices: tensor cores) for f16 tensors, where
-    /// every width is a multiple of 4 (else Burn's). Only for a device that offers them
-    /// (`mmlora devices` says, from [`coop_subgroup`]): the engine refuses it elsewhere.
+    /// every width is a multiple of 4 and the device's subgroups and workgroups fit the kernel
+    /// (else Burn's). Only for a device that offers cooperative matrices (`mmlora devices`
+    /// says, from [`coop_subgroup`]): the engine refuses it elsewhere.
     Coop,
 }
 
@@ -202,11 +205,19 @@ impl LinearKernel {
     /// (each list holds Burn's, the reference the others are checked against): on a software
     /// GPU ours for it and Burn's; on a hardware GPU Burn's and our tiled one, and in f16 our
     /// cooperative-matrix one where the device has them; on the CPU Burn's (Flex's matmul).
+    ///
+    /// A hardware GPU whose workgroups take fewer invocations than the tiled kernel's
+    /// [`TILED_WORKGROUP`] (OpenGL ES 3.1 promises 128) runs neither it nor `coop` (as large):
+    /// Burn's alone.
     pub fn candidates(device: &RuntimeDevice, dtype: DType) -> &'static [LinearKernel] {
         use LinearKernel::{Burn, Coop, Tiled, Wgsl};
-        match (device.wgpu.is_some(), device.hardware_gpu) {
-            (false, _) => &[Burn],
-            (true, false) => &[Wgsl, Burn],
+        let Some(setup) = device.wgpu.as_ref() else {
+            return &[Burn];
+        };
+        let tiled = LinearShader::Tiled.runs_on(Capacity::of_wgpu(setup));
+        match (device.hardware_gpu, tiled) {
+            (false, _) => &[Wgsl, Burn],
+            (true, false) => &[Burn],
             (true, true) if dtype == DType::F16 && coop_subgroup(device).is_some() => {
                 &[Burn, Tiled, Coop]
             }
@@ -236,8 +247,9 @@ impl LinearKernel {
     }
 }
 
-/// `x · weight_t (+ bias)`: with our kernel where `kernel` names one, there is a bias, every
-/// width is a multiple of 4 (and `in` not 0), `x` is f16 for `Coop` and `x` is on a wgpu device
+/// `x · weight_t (+ bias)`: with our kernel where `kernel` names one, there is a bias, the
+/// kernel takes the tensors ([`kernel_elem`]: one dtype, f32 or f16, f16 for `Coop`; every
+/// width a multiple of 4, `in` not 0) and `x` is on a wgpu device whose limits the kernel fits
 /// (on Flex the extension is Burn's matmul and add); with Burn's matmul otherwise (`Auto` and
 /// `Timed` included: [`crate::model::linear_choice::LinearChoice`] picks for those).
 pub fn linear(
@@ -246,14 +258,20 @@ pub fn linear(
     bias: Option<&Tensor<1>>,
     kernel: LinearKernel,
 ) -> Tensor<2> {
-    let [_, in_features] = x.dims();
-    let [_, out_features] = weight_t.dims();
-    let fits = in_features > 0
-        && in_features.is_multiple_of(4)
-        && out_features.is_multiple_of(4)
-        && (kernel != LinearKernel::Coop || x.dtype() == DType::F16);
-    match (bias, kernel.shader()) {
-        (Some(bias), Some(shader)) if fits => {
+    let ours = kernel.shader().filter(|&shader| {
+        bias.is_some_and(|bias| {
+            let [weight_in, out_features] = weight_t.dims();
+            kernel_elem(
+                shader,
+                (x.dtype(), x.dims()),
+                (weight_t.dtype(), [weight_in, out_features]),
+                (bias.dtype(), bias.dims()[0]),
+            )
+            .is_some()
+        })
+    });
+    match (bias, ours) {
+        (Some(bias), Some(shader)) => {
             Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_wgsl(
                 x.into_dispatch(),
                 weight_t.clone().into_dispatch(),
@@ -261,12 +279,63 @@ pub fn linear(
                 shader,
             ))
         }
-        (Some(bias), _) => Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_native(
+        (Some(bias), None) => Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_native(
             x.into_dispatch(),
             weight_t.clone().into_dispatch(),
             bias.clone().into_dispatch(),
         )),
         (None, _) => x.matmul(weight_t.clone()),
+    }
+}
+
+/// The element type `shader` reads a product's tensors as, where it takes them: `x` (dtype,
+/// `[rows, in]`), `weight_t` (`[in, out]`) and `bias` (`[out]`) of one dtype, f32 or f16 (f16
+/// alone for the cooperative-matrix kernel), every width a multiple of 4 and `in` not 0.
+/// `None` where it does not: the kernels bind each buffer as that one type, unchecked.
+fn kernel_elem(
+    shader: LinearShader,
+    x: (DType, [usize; 2]),
+    weight_t: (DType, [usize; 2]),
+    bias: (DType, usize),
+) -> Option<Elem> {
+    let (dtype, [_, in_features]) = x;
+    let (_, [weight_in, out_features]) = weight_t;
+    let elem = match dtype {
+        DType::F32 => Elem::F32,
+        DType::F16 => Elem::F16,
+        _ => return None,
+    };
+    let widths = in_features > 0
+        && in_features.is_multiple_of(4)
+        && out_features.is_multiple_of(4)
+        && weight_in == in_features
+        && bias.1 == out_features;
+    (widths && weight_t.0 == dtype && bias.0 == dtype && shader.takes(elem)).then_some(elem)
+}
+
+/// What of a device decides which of our shaders it runs: its limits on one workgroup and its
+/// subgroup sizes, read from wgpu ([`Capacity::of_wgpu`]) or from a tensor's cubecl client
+/// (which reads them from wgpu too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Capacity {
+    /// Invocations one workgroup may have.
+    invocations: u32,
+    /// Bytes of workgroup memory one workgroup may declare.
+    workgroup_bytes: u32,
+    /// The smallest and the largest subgroup size.
+    subgroups: [u32; 2],
+}
+
+impl Capacity {
+    /// The capacity of a wgpu device.
+    fn of_wgpu(setup: &WgpuSetup) -> Self {
+        let limits = setup.device.limits();
+        let info = setup.adapter.get_info();
+        Capacity {
+            invocations: limits.max_compute_invocations_per_workgroup,
+            workgroup_bytes: limits.max_compute_workgroup_storage_size,
+            subgroups: [info.subgroup_min_size, info.subgroup_max_size],
+        }
     }
 }
 
@@ -311,16 +380,40 @@ impl LinearShader {
         }
     }
 
-    /// The WGSL source for `elem` (`Coop`: f16 alone) on a device whose subgroups have
-    /// `subgroup` invocations (read by `Coop` alone).
-    pub fn render(self, elem: Elem, subgroup: u32) -> String {
-        LinearSource {
-            shader: self,
-            elem,
-            subgroup,
+    /// The WGSL source for `elem` on a device whose subgroups have `subgroup` invocations
+    /// (read by `Coop` alone); `None` where the shader is not written for them (`Coop`: f16
+    /// alone, at subgroups of 16, 32 or 64).
+    pub fn render(self, elem: Elem, subgroup: u32) -> Option<String> {
+        LinearSource::new(self, elem, subgroup).map(|source| source.source().complete())
+    }
+
+    /// Whether the shader is written for tensors of `elem` (the cooperative-matrix one: f16
+    /// alone).
+    fn takes(self, elem: Elem) -> bool {
+        match self {
+            LinearShader::Registers | LinearShader::Tiled => true,
+            LinearShader::Coop => elem == Elem::F16,
+            #[cfg(test)]
+            LinearShader::CoopEmulated => elem == Elem::F16,
         }
-        .source()
-        .complete()
+    }
+
+    /// Whether a device of `capacity` runs the shader: its workgroups take the shader's
+    /// invocations and, for `Coop`, the device has one subgroup size that [`CoopLayout`] takes
+    /// and workgroup memory for that layout.
+    fn runs_on(self, capacity: Capacity) -> bool {
+        let layout_fits = |subgroup| {
+            CoopLayout::for_subgroup(subgroup)
+                .is_some_and(|layout| layout.workgroup_bytes() <= capacity.workgroup_bytes)
+        };
+        let [subgroup_min, subgroup_max] = capacity.subgroups;
+        self.workgroup() <= capacity.invocations
+            && match self {
+                LinearShader::Registers | LinearShader::Tiled => true,
+                LinearShader::Coop => subgroup_min == subgroup_max && layout_fits(subgroup_max),
+                #[cfg(test)]
+                LinearShader::CoopEmulated => layout_fits(tests::EMULATED_SUBGROUP),
+            }
     }
 }
 
@@ -368,14 +461,13 @@ impl CoopLayout {
 
 /// The subgroup size `linear_coop.wgsl` runs at on `device`, where it can run there: a wgpu
 /// device with cooperative matrices, subgroups and f16, whose adapter offers 16 × 16 × 16
-/// products of f16 matrices summed in f32 and has one subgroup size that [`CoopLayout`] takes,
-/// and whose workgroup memory holds the kernel's.
+/// products of f16 matrices summed in f32 without saturating (naga never asks for it), and
+/// whose workgroups and subgroups the kernel fits ([`LinearShader::runs_on`]).
 pub fn coop_subgroup(device: &RuntimeDevice) -> Option<u32> {
     let setup = device.wgpu.as_ref()?;
     let needed = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
         | wgpu::Features::SUBGROUP
         | wgpu::Features::SHADER_F16;
-    let info = setup.adapter.get_info();
     let f16_in_f32 = setup
         .adapter
         .cooperative_matrix_properties()
@@ -384,14 +476,30 @@ pub fn coop_subgroup(device: &RuntimeDevice) -> Option<u32> {
             [p.m_size, p.n_size, p.k_size] == [MATRIX; 3]
                 && p.ab_type == wgpu::CooperativeScalarType::F16
                 && p.cr_type == wgpu::CooperativeScalarType::F32
+                && !p.saturating_accumulation
         });
-    let layout = CoopLayout::for_subgroup(info.subgroup_max_size)?;
-    let fits = layout.workgroup_bytes() <= setup.device.limits().max_compute_workgroup_storage_size;
-    (setup.device.features().contains(needed)
-        && f16_in_f32
-        && info.subgroup_min_size == info.subgroup_max_size
-        && fits)
-        .then_some(info.subgroup_max_size)
+    let capacity = Capacity::of_wgpu(setup);
+    (setup.device.features().contains(needed) && f16_in_f32 && LinearShader::Coop.runs_on(capacity))
+        .then_some(capacity.subgroups[1])
+}
+
+/// [`coop_subgroup`] for a test on `gpu`: where it is `None`, says so on stderr (the caller
+/// skips its coop checks), or, under `MMLORA_EXPECT_COOP=1` (the H200 check), fails the test.
+#[cfg(test)]
+pub(crate) fn coop_for_tests(gpu: &RuntimeDevice) -> Option<u32> {
+    let subgroup = coop_subgroup(gpu);
+    if subgroup.is_none() {
+        assert!(
+            std::env::var("MMLORA_EXPECT_COOP").as_deref() != Ok("1"),
+            "MMLORA_EXPECT_COOP=1, but {} cannot run the coop kernel (`mmlora devices` says why)",
+            gpu.description
+        );
+        eprintln!(
+            "{}: no cooperative matrices, coop checks not run",
+            gpu.description
+        );
+    }
+    subgroup
 }
 
 impl LinearBackend for Flex {
@@ -482,11 +590,31 @@ impl LinearBackend for CubeBackend {
         bias: FloatTensor<Self>,
         shader: LinearShader,
     ) -> FloatTensor<Self> {
+        let [rows, in_features] = [x.meta.shape()[0], x.meta.shape()[1]];
+        let out_features = weight_t.meta.shape()[1];
+        let elem = kernel_elem(
+            shader,
+            (x.dtype, [rows, in_features]),
+            (weight_t.dtype, [weight_t.meta.shape()[0], out_features]),
+            (bias.dtype, bias.meta.shape()[0]),
+        );
+        let hardware = &x.client.properties().hardware;
+        let capacity = Capacity {
+            invocations: hardware.max_units_per_cube,
+            workgroup_bytes: u32::try_from(hardware.max_shared_memory_size).unwrap_or(u32::MAX),
+            subgroups: [hardware.plane_size_min, hardware.plane_size_max],
+        };
+        // What the shader cannot take or the device cannot run is Burn's product: nothing
+        // here panics or binds a buffer as another type.
+        let kernel = elem
+            .filter(|_| shader.runs_on(capacity))
+            .and_then(|elem| LinearSource::new(shader, elem, capacity.subgroups[1]));
+        let Some(kernel) = kernel else {
+            return Self::linear_native(x, weight_t, bias);
+        };
         let x = into_contiguous(x);
         let weight_t = into_contiguous(weight_t);
         let bias = into_contiguous(bias);
-        let [rows, in_features] = [x.meta.shape()[0], x.meta.shape()[1]];
-        let out_features = weight_t.meta.shape()[1];
         let y = empty_device_contiguous_dtype(
             x.client.clone(),
             x.device.clone(),
@@ -496,11 +624,6 @@ impl LinearBackend for CubeBackend {
         if rows == 0 || out_features == 0 {
             return y;
         }
-        let kernel = LinearSource {
-            shader,
-            elem: Elem::of(x.dtype),
-            subgroup: x.client.properties().hardware.plane_size_max,
-        };
         let (block_rows, block_columns4) = shader.block();
         let column_blocks = (out_features as u32 / 4).div_ceil(block_columns4);
         let row_blocks = (rows as u32).div_ceil(block_rows);
@@ -529,12 +652,29 @@ impl LinearBackend for CubeBackend {
     }
 }
 
-/// One of our linear shaders for one element type and subgroup size (read by `Coop` alone).
+/// One of our linear shaders for one element type and subgroup size (read by `Coop` alone),
+/// made by [`LinearSource::new`] alone.
 #[derive(Debug, Clone, Copy)]
 struct LinearSource {
     shader: LinearShader,
     elem: Elem,
     subgroup: u32,
+}
+
+impl LinearSource {
+    /// `shader` for `elem` at subgroups of `subgroup`, where it is written for them
+    /// ([`LinearShader::render`]).
+    fn new(shader: LinearShader, elem: Elem, subgroup: u32) -> Option<Self> {
+        let laid_out = match shader {
+            LinearShader::Coop => CoopLayout::for_subgroup(subgroup).is_some(),
+            _ => true,
+        };
+        (laid_out && shader.takes(elem)).then_some(LinearSource {
+            shader,
+            elem,
+            subgroup,
+        })
+    }
 }
 
 impl KernelSource for LinearSource {
@@ -632,10 +772,10 @@ fn unrolled() -> [String; 4] {
 }
 
 /// `shaders/linear_coop.wgsl` with everything but its element type filled in, for subgroups of
-/// `subgroup` invocations.
+/// `subgroup` invocations, one size [`CoopLayout`] takes ([`LinearSource::new`] made sure).
 fn coop_template(subgroup: u32) -> SourceTemplate {
     let layout = CoopLayout::for_subgroup(subgroup)
-        .expect("linear_coop.wgsl runs only where coop_subgroup found its layout");
+        .expect("LinearSource::new takes coop only at a subgroup size CoopLayout lays out");
     let [declare, multiply, store] = coop_unrolled(layout);
     SourceTemplate::new(include_str!("../../shaders/linear_coop.wgsl"))
         .register("workgroup", COOP_WORKGROUP.to_string())
@@ -797,13 +937,25 @@ mod tests {
         out_features: usize,
         dtype: DType,
     ) {
+        check_repeated(gpu, kernel, [rows, in_features, out_features], dtype, 1);
+    }
+
+    /// [`check`] on `rows × in_features → out_features`, with our kernel run `repeats` times
+    /// on the same inputs, each output checked.
+    fn check_repeated(
+        gpu: &device::RuntimeDevice,
+        kernel: LinearKernel,
+        shape: [usize; 3],
+        dtype: DType,
+        repeats: usize,
+    ) {
         let ours = Ours {
             name: kernel.name(),
             // Tensor cores may truncate their f32 sums rather than round them.
             truncating_sums: kernel == LinearKernel::Coop,
             run: &|x, weight_t, bias| linear(x, weight_t, Some(bias), kernel),
         };
-        check_ours(gpu, &ours, [rows, in_features, out_features], dtype);
+        check_ours(gpu, &ours, shape, dtype, repeats);
     }
 
     /// A product of ours under test: its name, whether its f32 sums may truncate instead of
@@ -814,8 +966,15 @@ mod tests {
         run: &'a dyn Fn(Tensor<2>, &Tensor<2>, &Tensor<1>) -> Tensor<2>,
     }
 
-    /// [`check`] for any product of ours, on `rows × in_features → out_features`.
-    fn check_ours(gpu: &device::RuntimeDevice, ours: &Ours, shape: [usize; 3], dtype: DType) {
+    /// [`check`] for any product of ours, on `rows × in_features → out_features`, run
+    /// `repeats` times on the same inputs (a race in the kernel shows as one run off).
+    fn check_ours(
+        gpu: &device::RuntimeDevice,
+        ours: &Ours,
+        shape: [usize; 3],
+        dtype: DType,
+        repeats: usize,
+    ) {
         let [rows, in_features, out_features] = shape;
         let (x, weight, bias) = random(rows, in_features, out_features, dtype);
         // Products of f16 values are exact in f32 (22 bits of its 24), whatever sums them.
@@ -835,25 +994,41 @@ mod tests {
         }
         let d = &gpu.device;
         let (x, weight, bias) = (x.to_device(d), weight.to_device(d), bias.to_device(d));
-        let y = (ours.run)(x.clone(), &materialize(weight.clone().transpose()), &bias);
-        let burns = linear(x, &weight.transpose(), Some(&bias), LinearKernel::Burn);
-        let [y, burns] = [y, burns].map(|y| to_f64(&y.cast(DType::F32)));
-        for (i, (((y, burns), expected), bound)) in
-            y.iter().zip(&burns).zip(&expected).zip(&bound).enumerate()
-        {
-            let (row, col) = (i / out_features, i % out_features);
-            let at = format!(
-                "{} {rows}×{in_features}→{out_features} {dtype:?}, y[{row}, {col}]",
-                ours.name
-            );
-            assert!(
-                (y - expected).abs() <= *bound,
-                "{at}: ours {y} vs {expected} (bound {bound:e})"
-            );
-            assert!(
-                dtype == DType::F16 || (y - burns).abs() <= 2.0 * bound,
-                "{at}: ours {y} vs Burn's {burns} (bound {bound:e})"
-            );
+        let weight_t = materialize(weight.clone().transpose());
+        let burns = linear(
+            x.clone(),
+            &weight.transpose(),
+            Some(&bias),
+            LinearKernel::Burn,
+        );
+        let burns = to_f64(&burns.cast(DType::F32));
+        for run in 1..=repeats {
+            let y = (ours.run)(x.clone(), &weight_t, &bias);
+            let y = to_f64(&y.cast(DType::F32));
+            let at = |i: usize| {
+                format!(
+                    "{} {rows}×{in_features}→{out_features} {dtype:?}, run {run} of {repeats}, \
+                     y[{}, {}]",
+                    ours.name,
+                    i / out_features,
+                    i % out_features
+                )
+            };
+            for (i, (((y, burns), expected), bound)) in
+                y.iter().zip(&burns).zip(&expected).zip(&bound).enumerate()
+            {
+                assert!(
+                    (y - expected).abs() <= *bound,
+                    "{}: ours {y} vs {expected} (bound {bound:e})",
+                    at(i)
+                );
+                // Burn's f32 sum is within `bound` of float64 too; its f16 matmul sums in f16.
+                assert!(
+                    dtype == DType::F16 || (y - burns).abs() <= 2.0 * bound,
+                    "{}: ours {y} vs Burn's {burns} (bound {bound:e})",
+                    at(i)
+                );
+            }
         }
     }
 
@@ -1015,33 +1190,48 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
                 (depth - 4, columns - 4),
                 (2 * depth + 4, 2 * columns + 4),
             ] {
-                check_ours(&gpu, &ours, [rows, in_features, out_features], DType::F16);
+                check_ours(
+                    &gpu,
+                    &ours,
+                    [rows, in_features, out_features],
+                    DType::F16,
+                    1,
+                );
             }
         }
         // `attn.qkv` of the 2B shape: 40 slices deep, 30 blocks across.
-        check_ours(&gpu, &ours, [block + 3, 1280, 3840], DType::F16);
+        check_ours(&gpu, &ours, [block + 3, 1280, 3840], DType::F16, 1);
     }
 
     /// The cooperative-matrix kernel, in f16 where the device offers it (not lavapipe): row
     /// counts around its row block; widths below, at and past one block's columns, and depths
-    /// below, at and past one staged slice; the shapes of Qwen2-VL-2B's linears.
+    /// below, at and past one staged slice; the shapes of Qwen2-VL-2B's linears. Each product
+    /// runs `MMLORA_COOP_REPEATS` times (1 unless set) on its inputs, every output checked: a
+    /// slice read from workgroup memory before its stores reach it (a race the Vulkan memory
+    /// model allows the kernel as naga writes it, wgpu issue #8805) would show as a run off.
     #[test]
     fn coop_matches_float64() {
         let Some(gpu) = device::gpu_for_tests() else {
             return;
         };
-        if coop_subgroup(&gpu).is_none() {
-            eprintln!(
-                "{}: no cooperative matrices, coop test not run",
-                gpu.description
-            );
+        if coop_for_tests(&gpu).is_none() {
             return;
         }
+        let repeats = std::env::var("MMLORA_COOP_REPEATS").map_or(1, |repeats| {
+            repeats
+                .parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .expect("MMLORA_COOP_REPEATS is a count of runs, at least 1")
+        });
         let (block, columns, depth) = (
             COOP_ROWS as usize,
             COOP_COLUMNS as usize,
             COOP_DEPTH as usize,
         );
+        let coop = |shape: [usize; 3]| {
+            check_repeated(&gpu, LinearKernel::Coop, shape, DType::F16, repeats);
+        };
         for rows in [1, block - 1, block, block + 1, 3 * block + 5] {
             for (in_features, out_features) in [
                 (4, 4),
@@ -1049,26 +1239,121 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
                 (depth + 4, columns + 4),
                 (4 * depth + 4, 2 * columns),
             ] {
-                check(
-                    &gpu,
-                    LinearKernel::Coop,
-                    rows,
-                    in_features,
-                    out_features,
-                    DType::F16,
-                );
+                coop([rows, in_features, out_features]);
             }
         }
         for (in_features, out_features) in QWEN2_VL_2B_LINEARS {
-            check(
-                &gpu,
-                LinearKernel::Coop,
-                2 * block + 3,
-                in_features,
-                out_features,
-                DType::F16,
+            coop([2 * block + 3, in_features, out_features]);
+        }
+    }
+
+    /// A product the coop kernel cannot compute where it is asked for is Burn's, not a panic:
+    /// `x` in f32, and (on a device without cooperative matrices, such as lavapipe with its
+    /// subgroups of 8) `x` in f16.
+    #[test]
+    fn coop_where_it_cannot_run_is_burns() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        let mut dtypes = vec![DType::F32];
+        if coop_subgroup(&gpu).is_none() && gpu.supports(crate::device::Precision::F16) {
+            dtypes.push(DType::F16);
+        }
+        let d = &gpu.device;
+        let integers = |n: usize, modulus: usize| -> Vec<f32> {
+            (0..n).map(|i| (i % modulus) as f32 - 3.0).collect()
+        };
+        for dtype in dtypes {
+            let x = Tensor::<2>::from_data(TensorData::new(integers(40, 7), [5, 8]), d);
+            let weight_t = Tensor::<2>::from_data(TensorData::new(integers(96, 5), [8, 12]), d);
+            let bias = Tensor::<1>::from_data(TensorData::new(integers(12, 4), [12]), d);
+            let (x, weight_t, bias) = (x.cast(dtype), weight_t.cast(dtype), bias.cast(dtype));
+            let coop = linear(x.clone(), &weight_t, Some(&bias), LinearKernel::Coop);
+            let burns = linear(x, &weight_t, Some(&bias), LinearKernel::Burn);
+            // Small integers: every sum is exact (in f16 too), whatever kernel Burn's autotune
+            // takes.
+            coop.into_data().assert_eq(&burns.into_data(), true);
+        }
+    }
+
+    /// Our kernels take one dtype for all three tensors, f32 or f16 (the coop kernel f16
+    /// alone), and widths that are multiples of 4 with `in` not 0; anything else is Burn's.
+    #[test]
+    fn kernels_take_one_dtype_of_theirs_and_widths_of_4() {
+        let (f32s, f16s) = (DType::F32, DType::F16);
+        let take =
+            |shader, [x, w, b]: [DType; 3], [rows, in_features, out_features]: [usize; 3]| {
+                kernel_elem(
+                    shader,
+                    (x, [rows, in_features]),
+                    (w, [in_features, out_features]),
+                    (b, out_features),
+                )
+            };
+        let shape = [3, 8, 12];
+        for shader in [LinearShader::Registers, LinearShader::Tiled] {
+            assert_eq!(take(shader, [f32s; 3], shape), Some(Elem::F32));
+            assert_eq!(take(shader, [f16s; 3], shape), Some(Elem::F16));
+            for mixed in [[f32s, f16s, f16s], [f16s, f32s, f16s], [f16s, f16s, f32s]] {
+                assert_eq!(take(shader, mixed, shape), None, "{mixed:?}");
+            }
+            for other in [DType::F64, DType::BF16] {
+                assert_eq!(take(shader, [other; 3], shape), None, "{other:?}");
+            }
+            for widths in [[3, 0, 12], [3, 6, 12], [3, 8, 10]] {
+                assert_eq!(take(shader, [f32s; 3], widths), None, "{widths:?}");
+            }
+        }
+        assert_eq!(take(LinearShader::Coop, [f16s; 3], shape), Some(Elem::F16));
+        assert_eq!(take(LinearShader::Coop, [f32s; 3], shape), None);
+        // A weight or bias whose shape is not the product's.
+        let f32_at = |shape| (f32s, shape);
+        assert_eq!(
+            kernel_elem(
+                LinearShader::Tiled,
+                f32_at([3, 8]),
+                f32_at([4, 12]),
+                (f32s, 12)
+            ),
+            None
+        );
+        assert_eq!(
+            kernel_elem(
+                LinearShader::Tiled,
+                f32_at([3, 8]),
+                f32_at([8, 12]),
+                (f32s, 8)
+            ),
+            None
+        );
+    }
+
+    /// Which shaders a device's limits let run: OpenGL ES 3.1's least (128 invocations,
+    /// 16 KiB of workgroup memory) runs the registers kernel alone; the coop kernel wants one
+    /// subgroup size it lays out and the workgroup memory of that layout.
+    #[test]
+    fn shaders_run_within_the_devices_limits() {
+        let capacity = |invocations, workgroup_bytes, subgroups| Capacity {
+            invocations,
+            workgroup_bytes,
+            subgroups,
+        };
+        let gles = capacity(128, 16 << 10, [32, 32]);
+        assert!(LinearShader::Registers.runs_on(gles));
+        assert!(!LinearShader::Tiled.runs_on(gles));
+        assert!(!LinearShader::Coop.runs_on(gles));
+        let big = capacity(1024, 48 << 10, [32, 32]);
+        assert!(LinearShader::Tiled.runs_on(big));
+        assert!(LinearShader::Coop.runs_on(big));
+        for subgroups in [[8, 8], [16, 32], [128, 128]] {
+            assert!(
+                !LinearShader::Coop.runs_on(capacity(1024, 48 << 10, subgroups)),
+                "{subgroups:?}"
             );
         }
+        let bytes = CoopLayout::for_subgroup(16).unwrap().workgroup_bytes();
+        assert!(LinearShader::Coop.runs_on(capacity(256, bytes, [16, 16])));
+        assert!(!LinearShader::Coop.runs_on(capacity(256, bytes - 1, [16, 16])));
     }
 
     /// Flex's linear (a `gemm` call onto rows of the bias) against float64: widths that are
@@ -1150,7 +1435,7 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
             d,
         );
         let bias = Tensor::<1>::from_data([0.5f32, -0.5, 1.0, 2.0], d);
-        let coop = coop_subgroup(&gpu).is_some();
+        let coop = coop_for_tests(&gpu).is_some();
         for (kernel, dtype) in [
             (LinearKernel::Wgsl, DType::F32),
             (LinearKernel::Tiled, DType::F32),
@@ -1181,11 +1466,13 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
         assert_eq!(Auto.resolve(&cpu), Burn);
         assert_eq!(Wgsl.resolve(&cpu), Wgsl);
         if let Some(gpu) = device::gpu_for_tests() {
-            let coop = coop_subgroup(&gpu).is_some();
-            let (auto, f32s, f16s): (_, &[_], &[_]) = match (gpu.hardware_gpu, coop) {
-                (false, _) => (Wgsl, &[Wgsl, Burn], &[Wgsl, Burn]),
-                (true, false) => (Timed, &[Burn, Tiled], &[Burn, Tiled]),
-                (true, true) => (Timed, &[Burn, Tiled], &[Burn, Tiled, Coop]),
+            let tiled = LinearShader::Tiled.runs_on(Capacity::of_wgpu(gpu.wgpu.as_ref().unwrap()));
+            let coop = gpu.hardware_gpu && coop_for_tests(&gpu).is_some();
+            let (auto, f32s, f16s): (_, &[_], &[_]) = match (gpu.hardware_gpu, tiled, coop) {
+                (false, _, _) => (Wgsl, &[Wgsl, Burn], &[Wgsl, Burn]),
+                (true, false, _) => (Timed, &[Burn], &[Burn]),
+                (true, true, false) => (Timed, &[Burn, Tiled], &[Burn, Tiled]),
+                (true, true, true) => (Timed, &[Burn, Tiled], &[Burn, Tiled, Coop]),
             };
             assert_eq!(LinearKernel::candidates(&gpu, DType::F32), f32s);
             assert_eq!(LinearKernel::candidates(&gpu, DType::F16), f16s);
@@ -1200,13 +1487,14 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
         for shader in [LinearShader::Registers, LinearShader::Tiled] {
             for elem in Elem::ALL {
                 let what = format!("{} ({elem:?})", shader.file_name());
-                validate_and_translate(&shader.render(elem, 0), &what);
+                validate_and_translate(&shader.render(elem, 0).unwrap(), &what);
             }
         }
     }
 
     /// The cooperative-matrix kernel at every subgroup size it takes, to SPIR-V (naga writes
-    /// cooperative matrices for Vulkan and, 8 × 8 alone, for Metal; 16 × 16 is Vulkan's).
+    /// cooperative matrices for Vulkan and, 8 × 8 alone, for Metal; 16 × 16 is Vulkan's); none
+    /// at another size or in f32.
     #[test]
     fn coop_shader_validates_and_translates_to_spirv() {
         for subgroup in [16, 32, 64] {
@@ -1218,9 +1506,13 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
                 "the cells cover the block"
             );
             let what = format!("linear_coop.wgsl (subgroup {subgroup})");
-            validate_and_translate_to_spirv(&LinearShader::Coop.render(Elem::F16, subgroup), &what);
+            let source = LinearShader::Coop.render(Elem::F16, subgroup).unwrap();
+            validate_and_translate_to_spirv(&source, &what);
+            assert_eq!(LinearShader::Coop.render(Elem::F32, subgroup), None);
         }
-        assert_eq!(CoopLayout::for_subgroup(8), None);
-        assert_eq!(CoopLayout::for_subgroup(128), None);
+        for subgroup in [8, 128] {
+            assert_eq!(CoopLayout::for_subgroup(subgroup), None);
+            assert_eq!(LinearShader::Coop.render(Elem::F16, subgroup), None);
+        }
     }
 }

@@ -15,7 +15,9 @@
 //! The picks are kept for the process, per device, dtype and shape (rows rounded up to a power
 //! of two), as Burn keeps its autotune's. A device failure while timing keeps nothing (until
 //! the [`TIMING_TRIES`]th, which keeps Burn's matmul): that product runs with Burn's matmul,
-//! and the failure surfaces where the step reads its results.
+//! and the failure surfaces where the step reads its results. Nor does a batch that cannot
+//! decide: inputs that are not finite, or a product a correct kernel may overflow the output's
+//! dtype on (until the [`UNDECIDED_TRIES`]th, which keeps Burn's matmul too).
 
 use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex, PoisonError};
@@ -66,13 +68,54 @@ struct ShapeKey {
 /// cannot hold the f32 reference beside a step fails each try, and would pay for one each call.
 pub const TIMING_TRIES: usize = 2;
 
+/// Batches of one shape that could not decide after which its product keeps Burn's matmul:
+/// each builds the f32 reference (a cast, two more products, a blocking read) to find that out.
+pub const UNDECIDED_TRIES: usize = 4;
+
+/// Tries of one shape that kept nothing.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Tries {
+    /// The device failed while timing (below [`TIMING_TRIES`]).
+    failed: usize,
+    /// The batch could not decide (below [`UNDECIDED_TRIES`]).
+    undecided: usize,
+}
+
+/// Why a try kept nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Miss {
+    /// The device failed while timing.
+    Failed,
+    /// The inputs were not finite, or a correct output may overflow its dtype: no bound.
+    Undecided,
+}
+
 /// What this process found of each shape so far.
 #[derive(Debug, Default)]
 struct Picks {
     /// The kernel kept for each shape.
     kept: HashMap<ShapeKey, LinearKernel>,
-    /// How often each shape's timing failed (below [`TIMING_TRIES`]).
-    failed: HashMap<ShapeKey, usize>,
+    /// The tries of each shape that kept nothing, while it keeps no kernel.
+    tries: HashMap<ShapeKey, Tries>,
+}
+
+impl Picks {
+    /// Counts one more try of `key` that kept nothing, for `miss`; at that count's limit the
+    /// shape keeps Burn's matmul. Whether it now does.
+    fn missed(&mut self, key: ShapeKey, miss: Miss) -> bool {
+        let tries = self.tries.entry(key.clone()).or_default();
+        let (count, limit) = match miss {
+            Miss::Failed => (&mut tries.failed, TIMING_TRIES),
+            Miss::Undecided => (&mut tries.undecided, UNDECIDED_TRIES),
+        };
+        *count += 1;
+        let keeps_burn = *count >= limit;
+        if keeps_burn {
+            self.tries.remove(&key);
+            self.kept.insert(key, LinearKernel::Burn);
+        }
+        keeps_burn
+    }
 }
 
 static PICKS: LazyLock<Mutex<Picks>> = LazyLock::new(Mutex::default);
@@ -107,8 +150,8 @@ impl LinearChoice {
 }
 
 /// The kernel for `x`'s shape among `candidates`, with the timings when this call made them
-/// (`None`: the pick was kept from an earlier call, there were no rows to time on, the inputs
-/// were not finite or the timing failed; Burn's matmul for the last three).
+/// (`None`: the pick was kept from an earlier call, there were no rows to time on, the batch
+/// could not decide or the timing failed; Burn's matmul for the last three).
 fn pick(
     candidates: &'static [LinearKernel],
     x: &Tensor<2>,
@@ -137,18 +180,17 @@ fn pick(
     let timings = match time_candidates(candidates, x, weight_t, bias) {
         Ok(Some(timings)) => timings,
         Ok(None) => {
-            tracing::debug!(?key, "inputs not finite: Burn's matmul, nothing timed");
+            let keeps_burn = picks.missed(key.clone(), Miss::Undecided);
+            tracing::debug!(
+                ?key,
+                keeps_burn,
+                "inputs not finite or the output's dtype overflowed: Burn's matmul, nothing timed"
+            );
             return (LinearKernel::Burn, None);
         }
         Err(error) => {
-            let failed = picks.failed.entry(key.clone()).or_default();
-            *failed += 1;
-            let keeps_burn = *failed >= TIMING_TRIES;
+            let keeps_burn = picks.missed(key.clone(), Miss::Failed);
             tracing::warn!(?key, %error, keeps_burn, "the device failed while timing linear kernels");
-            if keeps_burn {
-                picks.failed.remove(&key);
-                picks.kept.insert(key, LinearKernel::Burn);
-            }
             return (LinearKernel::Burn, None);
         }
     };
@@ -174,13 +216,13 @@ fn pick(
         .collect();
     tracing::info!(rows, in_features, out_features, dtype = ?key.dtype,
         picked = fastest.name(), times = times.join(", "), "linear kernels timed");
-    picks.failed.remove(&key);
+    picks.tries.remove(&key);
     picks.kept.insert(key, fastest);
     (fastest, Some(timings))
 }
 
 /// Checks and times every candidate on these inputs (steps 1–3 of the module's doc); `None`
-/// where the inputs make no bound (an infinite or NaN value): nothing to check against.
+/// where the batch cannot decide ([`Reference::new`]): nothing to check against.
 fn time_candidates(
     candidates: &[LinearKernel],
     x: &Tensor<2>,
@@ -249,14 +291,22 @@ struct Reference {
     bound: Tensor<2>,
 }
 
+/// The smallest magnitude f16 rounds to infinity: its largest value, 65504, plus half its
+/// ulp there (16).
+const F16_OVERFLOW: f32 = 65520.0;
+
 impl Reference {
-    /// The reference for these inputs; `None` where the bound is not finite.
+    /// The reference for these inputs; `None` where the bound is not finite (an infinite or
+    /// NaN input), or where in f16 a correct kernel's sum may reach [`F16_OVERFLOW`]: such a
+    /// kernel may give an infinity there, whose distance from the product is NaN, and would be
+    /// left out for a value it got right.
     fn new(
         x: &Tensor<2>,
         weight_t: &Tensor<2>,
         bias: Option<&Tensor<1>>,
     ) -> Result<Option<Self>, String> {
         let [_, in_features] = x.dims();
+        let output_dtype = x.dtype();
         let x = x.clone().cast(DType::F32);
         let weight_t = weight_t.clone().cast(DType::F32);
         let bias = bias.map(|b| b.clone().cast(DType::F32));
@@ -271,23 +321,30 @@ impl Reference {
         }
         let nu = (in_features + 1) as f64 * f64::from(f32::EPSILON);
         let gamma = nu / (1.0 - nu);
-        Ok(Some(Self {
-            product,
-            bound: magnitudes * (2.0 * gamma),
-        }))
+        let bound = magnitudes * (2.0 * gamma);
+        // The bound is twice a correct sum's distance from the product: its reach bounds that
+        // sum's magnitude.
+        if output_dtype == DType::F16
+            && read((product.clone().abs() + bound.clone()).max())? >= F16_OVERFLOW
+        {
+            return Ok(None);
+        }
+        Ok(Some(Self { product, bound }))
     }
 
     /// The largest `|output − product| / allowed` over the elements, `allowed` the bound plus
-    /// the rounding of `output` to its dtype (f16's `2⁻¹¹`, taken of `|output| + |product|`):
-    /// at most 1 for a correct kernel. NaN (not `≤ 1`) where `output` has a NaN.
+    /// the rounding of `output` to its dtype (f16's `2⁻¹¹`, taken of `|output| + |product|`)
+    /// plus that rounding's least (half the spacing of the dtype's subnormals: `2⁻²⁵` in f16;
+    /// in f32 its smallest normal, `2⁻¹²⁶`, which holds a flushed subnormal too): at most 1 for
+    /// a correct kernel. NaN (not `≤ 1`) where `output` has a NaN.
     fn disagreement(&self, output: &Tensor<2>) -> Result<f32, String> {
-        let unit_roundoff = match output.dtype() {
-            DType::F16 => f32::powi(2.0, -11),
-            _ => f32::EPSILON / 2.0,
+        let (unit_roundoff, least) = match output.dtype() {
+            DType::F16 => (f32::powi(2.0, -11), f32::powi(2.0, -25)),
+            _ => (f32::EPSILON / 2.0, f32::MIN_POSITIVE),
         };
         let output = output.clone().cast(DType::F32);
         let rounding = (output.clone().abs() + self.product.clone().abs()) * unit_roundoff;
-        let allowed = self.bound.clone() + rounding + f32::MIN_POSITIVE;
+        let allowed = self.bound.clone() + rounding + least;
         let ratio = (output - self.product.clone()).abs() / allowed;
         // Read apart from the largest, which a reduction may take skipping NaNs.
         let worst = read(ratio.clone().max())?;
@@ -307,6 +364,7 @@ mod tests {
 
     use super::*;
     use crate::device;
+    use crate::model::gemm::coop_for_tests;
 
     /// The CPU backend and, where wgpu finds one, the GPU.
     fn devices() -> Vec<RuntimeDevice> {
@@ -381,8 +439,23 @@ mod tests {
         }
     }
 
-    /// Every kernel that may be timed, whichever the device offers.
+    /// Every kernel that may be timed, whichever the device offers, but the coop one.
     const ALL: &[LinearKernel] = &[LinearKernel::Burn, LinearKernel::Wgsl, LinearKernel::Tiled];
+
+    /// [`ALL`] and the coop kernel.
+    const ALL_AND_COOP: &[LinearKernel] = &[
+        LinearKernel::Burn,
+        LinearKernel::Wgsl,
+        LinearKernel::Tiled,
+        LinearKernel::Coop,
+    ];
+
+    /// The kernels to time on `on` in `dtype`: [`ALL`], and the coop kernel in f16 where the
+    /// device runs it (under `MMLORA_EXPECT_COOP=1` a GPU that does not fails the test).
+    fn timed_here(on: &RuntimeDevice, dtype: DType) -> &'static [LinearKernel] {
+        let coop = on.wgpu.is_some() && dtype == DType::F16 && coop_for_tests(on).is_some();
+        if coop { ALL_AND_COOP } else { ALL }
+    }
 
     #[test]
     fn timing_picks_the_fastest_once_per_shape() {
@@ -393,12 +466,13 @@ mod tests {
             }
             for dtype in dtypes {
                 let what = format!("{} in {dtype:?}", on.description);
+                let all = timed_here(&on, dtype);
                 let (x, weight_t, bias) = random(300, 96, 160, &on.device);
                 let (x, weight_t, bias) = (x.cast(dtype), weight_t.cast(dtype), bias.cast(dtype));
-                let (picked, timings) = pick(ALL, &x, &weight_t, Some(&bias));
+                let (picked, timings) = pick(all, &x, &weight_t, Some(&bias));
                 let timings = timings.expect("a new shape is timed");
                 let kernels: Vec<_> = timings.iter().map(|t| t.kernel).collect();
-                assert_eq!(kernels, ALL, "{what}");
+                assert_eq!(kernels, all, "{what}");
                 let times: Vec<Duration> = timings
                     .iter()
                     .map(|t| {
@@ -407,19 +481,19 @@ mod tests {
                             .unwrap_or_else(|why| panic!("{what}: {why}"))
                     })
                     .collect();
-                let fastest = (0..ALL.len()).min_by_key(|&i| times[i]).unwrap();
-                assert_eq!(picked, ALL[fastest], "{what}: {times:?}");
+                let fastest = (0..all.len()).min_by_key(|&i| times[i]).unwrap();
+                assert_eq!(picked, all[fastest], "{what}: {times:?}");
 
                 // 400 rows round up to 512 as 300 do: the same shape, not timed again.
                 let more =
                     Tensor::<2>::random([400, 96], Distribution::Default, &on.device).cast(dtype);
                 assert_eq!(
-                    pick(ALL, &more, &weight_t, Some(&bias)),
+                    pick(all, &more, &weight_t, Some(&bias)),
                     (picked, None),
                     "{what}"
                 );
                 // The choice computes with the kernel it picked.
-                let chosen = LinearChoice::Timed(ALL).linear(more.clone(), &weight_t, Some(&bias));
+                let chosen = LinearChoice::Timed(all).linear(more.clone(), &weight_t, Some(&bias));
                 let direct = linear(more, &weight_t, Some(&bias), picked);
                 chosen.into_data().assert_eq(&direct.into_data(), true);
             }
@@ -438,29 +512,126 @@ mod tests {
         let rows = usize::try_from(limit).unwrap() / (4 * in_features) + 1;
         let x = Tensor::<2>::zeros([rows, in_features], &gpu.device);
         let (_, weight_t, bias) = random(1, in_features, out_features, &gpu.device);
-        // What the process holds of this shape: its failed tries, its kept kernel.
         let this = |key: &ShapeKey| key.rows == rows.next_power_of_two() && key.in_features == 4;
-        let held = |picks: &Picks| {
-            let failed = picks.failed.iter().find(|(k, _)| this(k)).map(|(_, &n)| n);
-            let kept = picks
-                .kept
-                .iter()
-                .find(|(k, _)| this(k))
-                .map(|(_, &kernel)| kernel);
-            (failed.unwrap_or(0), kept)
-        };
         for tries in 1..=TIMING_TRIES {
             assert_eq!(
                 pick(ALL, &x, &weight_t, Some(&bias)),
                 (LinearKernel::Burn, None)
             );
-            let picks = PICKS.lock().unwrap();
-            let expected = if tries < TIMING_TRIES {
-                (tries, None)
-            } else {
-                (0, Some(LinearKernel::Burn))
+            let failed = Tries {
+                failed: tries,
+                undecided: 0,
             };
-            assert_eq!(held(&picks), expected, "after {tries} tries");
+            let expected = if tries < TIMING_TRIES {
+                (Some(failed), None)
+            } else {
+                (None, Some(LinearKernel::Burn))
+            };
+            assert_eq!(held(this), expected, "after {tries} tries");
+        }
+    }
+
+    /// What the process holds of the one shape `this` picks out: its tries that kept nothing,
+    /// its kept kernel.
+    fn held(this: impl Fn(&ShapeKey) -> bool) -> (Option<Tries>, Option<LinearKernel>) {
+        let picks = PICKS.lock().unwrap_or_else(PoisonError::into_inner);
+        let tries = picks.tries.iter().find(|(k, _)| this(k)).map(|(_, &t)| t);
+        let kept = picks.kept.iter().find(|(k, _)| this(k)).map(|(_, &k)| k);
+        (tries, kept)
+    }
+
+    /// Batches that cannot decide (a NaN input; in f16, a product past f16's range, where both
+    /// candidates give infinities) time nothing and leave nothing out; after
+    /// [`UNDECIDED_TRIES`] of them the shape keeps Burn's matmul, and no later batch of it
+    /// builds a reference.
+    #[test]
+    fn batches_that_cannot_decide_keep_burns_matmul_after_a_few() {
+        for on in devices() {
+            let mut dtypes = vec![DType::F32];
+            if on.supports(crate::device::Precision::F16) {
+                dtypes.push(DType::F16);
+            }
+            for dtype in dtypes {
+                let what = format!("{} in {dtype:?}", on.description);
+                // Widths no other test of this module takes, so that no other test's picks
+                // are this one's.
+                let (in_features, out_features) = (28, 20);
+                let (x, weight_t, bias) = random(9, in_features, out_features, &on.device);
+                let (x, weight_t, bias) = (x.cast(dtype), weight_t.cast(dtype), bias.cast(dtype));
+                let nan = x.clone().slice_assign(
+                    s![2..3, 3..4],
+                    Tensor::<2>::full([1, 1], f32::NAN, &on.device).cast(dtype),
+                );
+                let mut undecided = vec![(nan, weight_t.clone())];
+                if dtype == DType::F16 {
+                    // 28 terms of 100 · 100 (and a bias within ±1): 280000, past f16's 65504.
+                    undecided.push((x.ones_like() * 100.0, weight_t.ones_like() * 100.0));
+                }
+                for (i, (x, weight_t)) in undecided.into_iter().enumerate() {
+                    let rows: usize = 16 << i;
+                    let x = x.repeat_dim(0, rows.div_ceil(9)).slice(s![0..rows, ..]);
+                    let this = |key: &ShapeKey| {
+                        key.device == x.device().as_dispatch().to_id()
+                            && key.dtype == dtype
+                            && key.rows == rows
+                            && key.in_features == in_features
+                    };
+                    for tries in 1..=UNDECIDED_TRIES {
+                        assert_eq!(
+                            pick(ALL, &x, &weight_t, Some(&bias)),
+                            (LinearKernel::Burn, None),
+                            "{what}"
+                        );
+                        let undecided = Tries {
+                            failed: 0,
+                            undecided: tries,
+                        };
+                        let expected = if tries < UNDECIDED_TRIES {
+                            (Some(undecided), None)
+                        } else {
+                            (None, Some(LinearKernel::Burn))
+                        };
+                        assert_eq!(held(this), expected, "{what}: after {tries} tries");
+                    }
+                }
+            }
+        }
+    }
+
+    /// In f16 a correctly rounded subnormal output (the product `7 · 2⁻²⁷` rounded to `2⁻²⁴`,
+    /// off by `2⁻²⁷`, far more than its relative rounding `2⁻¹¹ · |y|`) passes the check, and
+    /// one two subnormal steps further off does not.
+    #[test]
+    fn the_check_passes_a_correctly_rounded_f16_subnormal() {
+        for on in devices() {
+            if !on.supports(crate::device::Precision::F16) {
+                continue;
+            }
+            let d = &on.device;
+            // x = 7 · 2⁻¹⁴ and Wᵀ = 2⁻¹³, both normal in f16.
+            let x = Tensor::<2>::full([1, 1], 7.0 * f32::powi(2.0, -14), d).cast(DType::F16);
+            let weight_t = Tensor::<2>::full([1, 1], f32::powi(2.0, -13), d).cast(DType::F16);
+            let reference = Reference::new(&x, &weight_t, None).unwrap().unwrap();
+            let rounded = reference.product.clone().cast(DType::F16);
+            let subnormal = f32::powi(2.0, -24);
+            assert_eq!(
+                rounded
+                    .clone()
+                    .into_data()
+                    .try_to_vec::<half::f16>()
+                    .unwrap()[0]
+                    .to_f32(),
+                subnormal,
+                "{}: the product rounds to f16's least subnormal (no flush to zero)",
+                on.description
+            );
+            // Off by 2⁻²⁷ against an allowance of about 2⁻²⁵: a ratio of about 1/4.
+            let ratio = reference.disagreement(&rounded).unwrap();
+            assert!(ratio <= 0.3, "{}: ratio {ratio}", on.description);
+            // Two subnormal steps up, 3 · 2⁻²⁴: off by 17 · 2⁻²⁷, about 4 times the allowance.
+            let off = Tensor::<2>::full([1, 1], 3.0 * subnormal, d).cast(DType::F16);
+            let ratio = reference.disagreement(&off).unwrap();
+            assert!(ratio > 2.0, "{}: ratio {ratio}", on.description);
         }
     }
 
