@@ -196,6 +196,19 @@ fn devices_lists_what_wgpu_sees_and_what_mmlora_uses() {
         stdout.contains("--device auto (the default) uses: "),
         "{stdout}"
     );
+    // wgpu reads a list of APIs from WGPU_BACKEND, the runtime one API: `devices` refuses the
+    // list as every command does, instead of listing adapters as if it held.
+    let out = Command::new(env!("CARGO_BIN_EXE_mmlora"))
+        .arg("devices")
+        .env("WGPU_BACKEND", "vulkan,gl")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("vulkan,gl"),
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[test]

@@ -207,6 +207,12 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
             ops.push(bench::op::run(shape, &runtime, spec.repeats));
         }
     }
+    // The plot first: a reader that stops reading the lines early (`| head`) ends the
+    // process on its next line.
+    if let Some(path) = &args.plot {
+        bench::plot::throughput_png(&records, path)?;
+        eprintln!("plot: {}", path.display());
+    }
     if args.json {
         for record in &records {
             println!(
@@ -255,10 +261,6 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                 );
             }
         }
-    }
-    if let Some(path) = &args.plot {
-        bench::plot::throughput_png(&records, path)?;
-        eprintln!("plot: {}", path.display());
     }
     Ok(())
 }

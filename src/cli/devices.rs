@@ -6,11 +6,12 @@ use mmlora::model::gemm;
 
 use super::CliError;
 
-/// Lists every adapter wgpu enumerates, then what `--device gpu` (with whether f16 and the
-/// `coop` linear kernel run there) and `--device auto` use.
+/// Lists every adapter wgpu enumerates on every graphics API, then what `--device gpu` (with
+/// whether f16 and the `coop` linear kernel run there) and `--device auto` use, on the API
+/// `WGPU_BACKEND` names (an unknown name is an error, as for every command).
 pub fn run() -> Result<(), CliError> {
-    let instance =
-        wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle_from_env());
+    let requested = device::requested_backend()?;
+    let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
     let adapters = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
     if adapters.is_empty() {
         println!("wgpu sees no adapter");
@@ -18,6 +19,7 @@ pub fn run() -> Result<(), CliError> {
     for adapter in &adapters {
         println!("adapter: {}", device::describe(&adapter.get_info()));
     }
+    println!("WGPU_BACKEND: {requested:?}");
     match device::gpu() {
         Ok(gpu) => {
             println!("--device gpu uses: {}", gpu.description);
