@@ -250,6 +250,32 @@ fn more_adapters_than_slots_run_in_several_steps_with_the_same_results() {
     assert_matches_fixtures(&results, 1e-5, &cpu.description);
 }
 
+#[test]
+fn a_step_needing_a_slot_frees_the_one_used_least_recently() {
+    let cpu = device::cpu();
+    let options = EngineOptions {
+        max_loras: 2,
+        ..EngineOptions::default()
+    };
+    let mut engine = engine(&cpu, options);
+    let request = fixture_requests().remove(0);
+    let mut on = |adapter: &str| {
+        let request = Request {
+            adapter: Some(adapter.to_owned()),
+            ..request.clone()
+        };
+        engine.encode(&[request], false).unwrap();
+        engine.slotted()
+    };
+    let slots = |names: [&str; 2]| names.map(|n| Some(n.to_owned())).to_vec();
+    on("all-r4");
+    assert_eq!(on("patterns"), slots(["all-r4", "patterns"]));
+    on("all-r4");
+    // patterns was used less recently than all-r4 (in slot 0, which slot order would free).
+    assert_eq!(on("tower-r2"), slots(["all-r4", "tower-r2"]));
+    assert_eq!(on("rslora-r8"), slots(["rslora-r8", "tower-r2"]));
+}
+
 /// Each request alone, and the batch in reverse order, against the batch in order.
 fn a_request_alone_equals_its_row_of_any_batch(on: &RuntimeDevice, rel_tol: f64) {
     let mut engine = engine(on, EngineOptions::default());

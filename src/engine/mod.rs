@@ -223,6 +223,11 @@ pub struct Engine {
     options: EngineOptions,
     registry: AdapterRegistry,
     slots: SlotTable,
+    /// For each slot, the step that last used it: a step needing room frees the slots used
+    /// least recently.
+    slot_used: Vec<u64>,
+    /// Steps that activated adapters so far.
+    activations: u64,
     /// The adapter whose weights are stacked in each slot of the model's layers; `None` while
     /// that is unknown (a restack that failed part way), so the next step restacks.
     stacked: Option<Vec<Option<AdapterKey>>>,
@@ -306,6 +311,8 @@ impl Engine {
             device,
             registry: AdapterRegistry::new(options.max_cpu_adapters),
             slots: SlotTable::new(options.max_loras),
+            slot_used: vec![0; options.max_loras],
+            activations: 0,
             stacked: Some(vec![None; options.max_loras]),
             options,
             model_dir: None,
@@ -393,6 +400,24 @@ impl Engine {
         } else {
             Err(EngineError::NotLoaded(name.to_owned()))
         }
+    }
+
+    /// The adapter in each GPU slot (by name), as the last step left them: a step that needs
+    /// room frees the slots used least recently.
+    pub fn slotted(&self) -> Vec<Option<String>> {
+        (0..self.slots.num_slots())
+            .map(|slot| {
+                let key = self.slots.adapter_in(slot)?;
+                self.registry
+                    .names()
+                    .find(|&name| {
+                        self.registry
+                            .registration(name)
+                            .is_some_and(|r| r.key == key)
+                    })
+                    .map(str::to_owned)
+            })
+            .collect()
     }
 
     /// The names of the loaded adapters, sorted.
@@ -726,15 +751,19 @@ impl Engine {
         let free = (0..n)
             .filter(|&s| self.slots.adapter_in(s).is_none())
             .count();
-        let idle: Vec<AdapterKey> = (0..n)
-            .filter_map(|s| self.slots.adapter_in(s))
-            .filter(|id| !wanted.contains(id))
+        // The slots this step does not use, least recently used first.
+        let mut idle: Vec<(u64, AdapterKey)> = (0..n)
+            .filter_map(|s| Some((self.slot_used[s], self.slots.adapter_in(s)?)))
+            .filter(|(_, id)| !wanted.contains(id))
             .collect();
-        for id in idle.into_iter().take(missing.saturating_sub(free)) {
+        idle.sort_by_key(|&(used, _)| used);
+        for (_, id) in idle.into_iter().take(missing.saturating_sub(free)) {
             self.slots.deactivate(id);
         }
+        self.activations += 1;
         for &id in wanted {
-            self.slots.activate(id)?;
+            let slot = self.slots.activate(id)?;
+            self.slot_used[slot] = self.activations;
         }
         let current: Vec<Option<AdapterKey>> = (0..n).map(|s| self.slots.adapter_in(s)).collect();
         if self.stacked.as_ref() != Some(&current) {
