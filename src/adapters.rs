@@ -340,9 +340,7 @@ impl PeftAdapter {
         }
         Ok(())
     }
-}
 
-impl PeftAdapter {
     /// Refuses an adapter holding a value of A, or of B with its scale folded in, beyond f16's
     /// largest finite value (65 504), for a model that computes in f16: cast to f16 it would
     /// become infinite, and every row of the adapter's slot would turn to inf or NaN.

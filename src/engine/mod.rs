@@ -402,8 +402,9 @@ impl Engine {
         }
     }
 
-    /// The adapter in each GPU slot (by name), as the last step left them: a step that needs
-    /// room frees the slots used least recently.
+    /// The adapter in each GPU slot (by name; `None` for an empty slot or one whose adapter
+    /// was unloaded since), as the last step left them: a step that needs room frees the slots
+    /// used least recently.
     pub fn slotted(&self) -> Vec<Option<String>> {
         (0..self.slots.num_slots())
             .map(|slot| {

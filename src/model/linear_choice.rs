@@ -450,6 +450,15 @@ mod tests {
         LinearKernel::Coop,
     ];
 
+    /// The dtypes `on` computes in: f32, and f16 where it has it.
+    fn dtypes(on: &RuntimeDevice) -> Vec<DType> {
+        let mut dtypes = vec![DType::F32];
+        if on.supports(crate::device::Precision::F16) {
+            dtypes.push(DType::F16);
+        }
+        dtypes
+    }
+
     /// The kernels to time on `on` in `dtype`: [`ALL`], and the coop kernel in f16 where the
     /// device runs it (under `MMLORA_EXPECT_COOP=1` a GPU that does not fails the test).
     fn timed_here(on: &RuntimeDevice, dtype: DType) -> &'static [LinearKernel] {
@@ -460,11 +469,7 @@ mod tests {
     #[test]
     fn timing_picks_the_fastest_once_per_shape() {
         for on in devices() {
-            let mut dtypes = vec![DType::F32];
-            if on.supports(crate::device::Precision::F16) {
-                dtypes.push(DType::F16);
-            }
-            for dtype in dtypes {
+            for dtype in dtypes(&on) {
                 let what = format!("{} in {dtype:?}", on.description);
                 let all = timed_here(&on, dtype);
                 let (x, weight_t, bias) = random(300, 96, 160, &on.device);
@@ -547,11 +552,7 @@ mod tests {
     #[test]
     fn batches_that_cannot_decide_keep_burns_matmul_after_a_few() {
         for on in devices() {
-            let mut dtypes = vec![DType::F32];
-            if on.supports(crate::device::Precision::F16) {
-                dtypes.push(DType::F16);
-            }
-            for dtype in dtypes {
+            for dtype in dtypes(&on) {
                 let what = format!("{} in {dtype:?}", on.description);
                 // Widths no other test of this module takes, so that no other test's picks
                 // are this one's.
