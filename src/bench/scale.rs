@@ -103,6 +103,10 @@ pub struct ScaleRecord {
     /// Peak resident set of the process during the configuration, MiB (model weights, adapters
     /// in host memory and, on the CPU backend, every activation); `None` where it cannot be read.
     pub peak_rss_mib: Option<f64>,
+    /// Resident set of the process when the configuration's set-up began, MiB: what earlier
+    /// configurations (and the allocator) still held; `peak_rss_mib` less this is what this
+    /// configuration added at most. `None` where it cannot be read.
+    pub start_rss_mib: Option<f64>,
     /// Bytes the device's allocator holds at the end of the configuration, MiB (`None` on the
     /// CPU backend).
     pub device_reserved_mib: Option<f64>,
@@ -185,6 +189,7 @@ struct Warm {
     batch: Vec<Request>,
     steps: usize,
     peak_rss_mib: Option<f64>,
+    start_rss_mib: Option<f64>,
     device_reserved_mib: Option<f64>,
 }
 
@@ -237,6 +242,7 @@ impl Sweep<'_> {
         ));
         self.device.device.memory_cleanup();
         let rss_reset = reset_peak_rss();
+        let start_rss_mib = rss_bytes("VmRSS:").map(mib);
         let rank = self.rank(configuration);
         let mut engine =
             engine_with_adapters(self.model, self.device, self.compute, slots, adapters, rank)?;
@@ -246,7 +252,8 @@ impl Sweep<'_> {
             engine,
             batch,
             steps: steps(&encoded),
-            peak_rss_mib: rss_reset.then(peak_rss_bytes).flatten().map(mib),
+            peak_rss_mib: rss_reset.then(|| rss_bytes("VmHWM:")).flatten().map(mib),
+            start_rss_mib,
             device_reserved_mib: self
                 .device
                 .wgpu
@@ -285,6 +292,7 @@ impl Sweep<'_> {
             ms_per_image: median_ms / images as f64,
             img_per_s: images as f64 / (median_ms / 1e3),
             peak_rss_mib: warm.peak_rss_mib,
+            start_rss_mib: warm.start_rss_mib,
             device_reserved_mib: warm.device_reserved_mib,
         }
     }
@@ -300,10 +308,11 @@ fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
-/// The process's peak resident set (`VmHWM`), in bytes, where the system tells it.
-fn peak_rss_bytes() -> Option<u64> {
+/// The process's resident set as `/proc/self/status` reports it under `field` (`VmRSS:` now,
+/// `VmHWM:` its peak), in bytes, where the system tells it.
+fn rss_bytes(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|line| line.starts_with("VmHWM:"))?;
+    let line = status.lines().find(|line| line.starts_with(field))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
 }
@@ -365,7 +374,9 @@ mod tests {
             );
             if cfg!(target_os = "linux") {
                 let rss = record.peak_rss_mib.expect("Linux reports VmHWM");
-                assert!(rss > 1.0, "{record:?}");
+                let start = record.start_rss_mib.expect("Linux reports VmRSS");
+                // The peak was reset to the resident set just before `start` was read.
+                assert!(rss > 1.0 && start > 1.0 && start <= rss, "{record:?}");
             }
         }
     }

@@ -336,7 +336,7 @@ fn run_scale(args: BenchArgs, runtime: &RuntimeDevice) -> Result<(), CliError> {
     }
     let mib = |value: Option<f64>| value.map_or("-".to_owned(), |v| format!("{v:.0}"));
     println!(
-        "{:>8} {:>6} {:>6} {:>8} {:>5} {:>5} {:>11} {:>9} {:>8} {:>9} {:>10}",
+        "{:>8} {:>6} {:>6} {:>8} {:>5} {:>5} {:>11} {:>9} {:>8} {:>10} {:>9} {:>10}",
         "sweep",
         "images",
         "loaded",
@@ -346,12 +346,13 @@ fn run_scale(args: BenchArgs, runtime: &RuntimeDevice) -> Result<(), CliError> {
         "median ms",
         "ms/image",
         "img/s",
+        "RSS before",
         "peak RSS",
         "device MiB"
     );
     for r in &records {
         println!(
-            "{:>8} {:>6} {:>6} {:>8} {:>5} {:>5} {:>11.1} {:>9.1} {:>8.2} {:>9} {:>10}",
+            "{:>8} {:>6} {:>6} {:>8} {:>5} {:>5} {:>11.1} {:>9.1} {:>8.2} {:>10} {:>9} {:>10}",
             r.sweep,
             r.setup.images,
             r.loaded,
@@ -361,6 +362,7 @@ fn run_scale(args: BenchArgs, runtime: &RuntimeDevice) -> Result<(), CliError> {
             r.median_ms,
             r.ms_per_image,
             r.img_per_s,
+            mib(r.start_rss_mib),
             mib(r.peak_rss_mib),
             mib(r.device_reserved_mib)
         );
