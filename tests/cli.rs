@@ -198,17 +198,18 @@ fn devices_lists_what_wgpu_sees_and_what_mmlora_uses() {
     );
     // wgpu reads a list of APIs from WGPU_BACKEND, the runtime one API: `devices` refuses the
     // list as every command does, instead of listing adapters as if it held.
+    refused_under_backend(&["devices"], "vulkan,gl");
+}
+
+/// `args` with `WGPU_BACKEND=backend` exit 1 naming the value.
+fn refused_under_backend(args: &[&str], backend: &str) {
     let out = Command::new(env!("CARGO_BIN_EXE_mmlora"))
-        .arg("devices")
-        .env("WGPU_BACKEND", "vulkan,gl")
+        .args(args)
+        .env("WGPU_BACKEND", backend)
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(
-        text(&out.stderr).contains("vulkan,gl"),
-        "{}",
-        text(&out.stderr)
-    );
+    assert!(text(&out.stderr).contains(backend), "{}", text(&out.stderr));
 }
 
 #[test]
@@ -532,15 +533,5 @@ fn bench_counts_out_of_range_are_refused_by_flag_before_any_work() {
 
 #[test]
 fn an_unknown_wgpu_backend_is_an_error_under_auto_too() {
-    let out = Command::new(env!("CARGO_BIN_EXE_mmlora"))
-        .args(["encode", "--device", "auto"])
-        .env("WGPU_BACKEND", "vulcan")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    assert!(
-        text(&out.stderr).contains("vulcan"),
-        "{}",
-        text(&out.stderr)
-    );
+    refused_under_backend(&["encode", "--device", "auto"], "vulcan");
 }

@@ -361,19 +361,18 @@ impl Engine {
         self.register(adapter)
     }
 
-    /// Refuses an adapter whose weights the engine's precision cannot hold.
-    fn check_precision(&self, adapter: &PeftAdapter) -> Result<(), EngineError> {
+    /// Registers an adapter already validated against this model's targets, once its weights
+    /// fit the engine's precision; returns its key.
+    fn admit(&mut self, adapter: PeftAdapter) -> Result<AdapterKey, EngineError> {
         if self.options.precision == Precision::F16 {
             adapter.check_fits_f16()?;
         }
-        Ok(())
+        Ok(self.registry.insert(adapter))
     }
 
-    /// Registers an adapter already validated against this model's targets, once its weights
-    /// fit the engine's precision.
+    /// [`Self::admit`], returning the weights (marked most recently used).
     fn register(&mut self, adapter: PeftAdapter) -> Result<Arc<PeftAdapter>, EngineError> {
-        self.check_precision(&adapter)?;
-        let key = self.registry.insert(adapter);
+        let key = self.admit(adapter)?;
         Ok(self.loaded(key))
     }
 
@@ -388,9 +387,9 @@ impl Engine {
     fn read_adapter(&mut self, name: &str, dir: &Path) -> Result<AdapterKey, EngineError> {
         let targets = self.model.lora_targets();
         let adapter = PeftAdapter::load(name, dir, &targets, self.options.max_rank)?;
-        self.check_precision(&adapter)?;
+        let key = self.admit(adapter)?;
         tracing::info!(adapter = name, dir = %dir.display(), "adapter loaded");
-        Ok(self.registry.insert(adapter))
+        Ok(key)
     }
 
     /// Forgets the adapter `name`.
