@@ -1,84 +1,121 @@
 #!/usr/bin/env bash
-# The H200 check, in one device call (at most 9 minutes there, start-up aside):
+# The H200 check, in one device call, after `bash tools/h200/prepare.sh` here:
 #   run(command="bash tools/h200/run.sh", carry=[".gl", ".device"], timeout_s=540)
-# after `bash tools/h200/prepare.sh` here. Logs and results land in $OUT.
+# Rehearse it here first, on lavapipe with the tiny preset (the same unpacking, steps and flags,
+# small shapes, each step's limit four times as long, no cooperative matrices: the coop steps fail
+# there):
+#   OUT=/tmp/rehearsal bash tools/h200/run.sh --rehearse
+#
+# The device call is killed at its limit, so every step runs under one budget
+# ($MMLORA_RUN_BUDGET_S, 480 s from the start of this script): a step gets the smaller of its own
+# limit and what is left of the budget, and a step with under 15 s left is skipped. The steps
+# run most-wanted first: the issue's numbers before the longer checks. Each step writes its
+# standard output to $OUT/NAME.out (JSON lines for the benches) and its log to $OUT/NAME.log;
+# $OUT/steps.tsv has each step's exit status and seconds, to plan the next run with.
 set -uo pipefail
-for f in .gl/*.deb; do dpkg -x "$f" /; done
-ldconfig
-export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
+rehearse=false
+[[ ${1:-} == --rehearse ]] && rehearse=true
+OUT=${OUT:?OUT names the folder for the results}
+mkdir -p "$OUT"
+deadline=$(( $(date +%s) + ${MMLORA_RUN_BUDGET_S:-480} ))
+
 export XDG_RUNTIME_DIR=/tmp CI=true WGPU_BACKEND=vulkan
-# The binaries find the fixtures under the path they were built in.
-mkdir -p /work && ln -sfn "$PWD" /work/main
-python3 - <<'PY'
-import tarfile
-with tarfile.open(".device/binaries.tar.xz", "r:xz") as packed:
-    packed.extractall("/tmp/bin", filter="tar")
-PY
-step() { echo "== $1" >&2; shift; timeout "$@"; echo "== exit $?" >&2; }
-{
+if $rehearse; then
+    shape=(--preset tiny --side 56)
+    linear_rows=256
+    expect_coop=0
+    slower=4
+else
+    for f in .gl/*.deb; do dpkg -x "$f" /; done
+    ldconfig
+    export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+    export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
+    # The test binaries find the fixtures under the path they were built in.
+    mkdir -p /work && ln -sfn "$PWD" /work/main
+    shape=(--side 448)
+    linear_rows=8192
+    expect_coop=1
+    slower=1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-    step devices 60 /tmp/bin/mmlora devices
-    # Correctness on a real Vulkan driver: the op against the native path, the engine against
-    # transformers + PEFT, isolation, device faults.
-    step "op tests" 300 /tmp/bin/lib lora::ops
-    # model::gemm holds the cooperative-matrix kernel's test (coop_matches_float64), which
-    # runs only where the adapter has cooperative matrices (`devices` says whether it has);
-    # MMLORA_EXPECT_COOP=1 fails the coop tests where it has not, rather than skipping them.
-    # Each coop product runs 50 times, every output checked, so that a slice read from
-    # workgroup memory before its stores reach it (naga writes no availability or visibility
-    # for them: wgpu issue #8805) would show (estimated under 10 s: the float64 references are
-    # computed once per shape).
-    step "linear kernel tests" 300 env MMLORA_EXPECT_COOP=1 MMLORA_COOP_REPEATS=50 \
-        /tmp/bin/lib model::gemm --nocapture
-    # Timing per shape, the picks among Burn's, ours and (in f16) coop, each checked first.
-    step "linear choice tests" 120 env MMLORA_EXPECT_COOP=1 /tmp/bin/lib model::linear_choice \
-        --nocapture
-    step "engine tests" 300 /tmp/bin/engine --skip every_other_graphics_api
-    step "soak (200 batches)" 300 env MMLORA_SOAK_BATCHES=200 /tmp/bin/soak on_wgpu --nocapture
-    step "device faults" 300 /tmp/bin/device_faults
-    # The fixture batch on NVIDIA's OpenGL ES (EGL) too, beside the Vulkan the rest runs on; last
-    # and on a short clock, since wgpu's GL backend can hang on a slow compile (BENCHMARKS.md).
-    step "engine on GL" 90 env MMLORA_GRAPHICS_APIS=vulkan,gl /tmp/bin/engine \
-        every_other_graphics_api --nocapture
-} 2>&1 | tee "$OUT/checks.log"
-# Numbers: the issue's shapes (8 images of 448², 1–8 adapters, ranks 16 and 64; the op at
-# 256, 4096 and 8192 rows), the same in f16, Burn's matmul against our tiled linear kernel in
-# f32 and f16 (auto times them per shape, its picks logged at info, and runs the base with
-# each alone too), the f16 linears on cooperative matrices (coop: never run before, the
-# tensor cores), each linear alone in every kernel and precision (FLOP/s), the op with the
-# shrink shader built for software GPUs (auto takes the split one on a hardware GPU: compare
-# with bench 448's op lines), where the time goes stage by stage, then how time and memory grow
-# with images and adapters.
-step "bench 448" 300 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
-    --adapters 1,2,4,8 --ranks 16,64 --op-rows 256,4096,8192 --linear-kernel burn \
-    --plot "$OUT/h200-448.png" > "$OUT/bench-448.jsonl" 2> "$OUT/bench-448.log"
-step "linear kernels 448" 90 env RUST_LOG=mmlora=info /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
-    --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto \
-    > "$OUT/linear-448.jsonl" 2> "$OUT/linear-448.log"
-step "bench 448 f16" 120 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
-    --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 --linear-kernel burn \
-    > "$OUT/bench-448-f16.jsonl" 2> "$OUT/bench-448-f16.log"
-step "coop linears 448 f16" 120 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
-    --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 --linear-kernel coop \
-    > "$OUT/coop-448-f16.jsonl" 2> "$OUT/coop-448-f16.log"
-step "linears alone 8192 rows" 100 env MMLORA_BENCH_ROWS=8192 /tmp/bin/linear_bench --bench \
-    --warm-up-time 0.5 --measurement-time 1 > "$OUT/linears-8192.log" 2>&1
-step "lora shrink registers" 90 /tmp/bin/mmlora bench --device gpu --json --images 8 --side 448 \
-    --adapters 8 --ranks 16,64 --op-rows 256,4096 --linear-kernel burn --lora-shrink registers \
-    > "$OUT/shrink-registers.jsonl" 2> "$OUT/shrink-registers.log"
-step "linear kernels 448 f16" 90 env RUST_LOG=mmlora=info /tmp/bin/mmlora bench --device gpu --json --images 8 \
-    --side 448 --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto --precision f16 \
-    > "$OUT/linear-448-f16.jsonl" 2> "$OUT/linear-448-f16.log"
-# Where the time goes: each stage of the pass clocked (products in TFLOP/s, against the fp32
-# ALU peak of ~67 and cuBLAS's 50.3), with auto's linears, in f32 and f16.
-step "stages 448" 90 env RUST_LOG=mmlora=info /tmp/bin/mmlora bench --device gpu --json --stages \
-    --images 8 --side 448 --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto \
-    > "$OUT/stages-448.jsonl" 2> "$OUT/stages-448.log"
-step "stages 448 f16" 90 env RUST_LOG=mmlora=info /tmp/bin/mmlora bench --device gpu --json --stages \
-    --images 8 --side 448 --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto --precision f16 \
-    > "$OUT/stages-448-f16.jsonl" 2> "$OUT/stages-448-f16.log"
-step "scale 448" 150 /tmp/bin/mmlora bench --device gpu --json --scale --side 448 \
-    --scale-images 1,4,16,64 --scale-adapters 1,16,64 --linear-kernel burn \
-    > "$OUT/scale-448.jsonl" 2> "$OUT/scale-448.log"
-tail -n 60 "$OUT"/*.jsonl
+fi
+bin=$(mktemp -d)
+python3 - "$bin" <<'PY'
+import sys, tarfile
+with tarfile.open(".device/binaries.tar.xz", "r:xz") as packed:
+    packed.extractall(sys.argv[1], filter="tar")
+PY
+
+# step NAME LIMIT COMMAND...: runs COMMAND under the smaller of LIMIT and the budget left.
+step() {
+    local name=$1 limit=$(( $2 * slower )) left start rc
+    shift 2
+    left=$(( deadline - $(date +%s) ))
+    if (( left < 15 )); then
+        echo "== $name: skipped, ${left} s of the budget left"
+        printf '%s\tskipped\t0\n' "$name" >> "$OUT/steps.tsv"
+        return
+    fi
+    (( limit > left )) && limit=$left
+    echo "== $name (at most $limit s)"
+    start=$(date +%s)
+    timeout -k 5 "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.log"
+    rc=$?
+    echo "== $name: exit $rc after $(( $(date +%s) - start )) s"
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" >> "$OUT/steps.tsv"
+}
+# The bench on the GPU at the issue's 8 images of 448² (tiny ones in a rehearsal).
+bench=("$bin/mmlora" bench --device gpu --json --images 8 "${shape[@]}")
+: > "$OUT/steps.tsv"
+
+step devices 30 "$bin/mmlora" devices
+# The op against the native path on a real Vulkan driver, every shader and edge case.
+step op-tests 120 "$bin/lib" lora::ops
+# The issue's numbers: 8 images, 1-8 mixed adapters at ranks 16 and 64, against the base; the
+# op alone at 256, 4096 and 8192 rows against the base linear; Burn's matmul for the linears.
+step bench 180 "${bench[@]}" --adapters 1,2,4,8 --ranks 16,64 --op-rows 256,4096,8192 \
+    --linear-kernel burn --plot "$OUT/bench.png"
+# The fastest linear kernel per shape (auto times Burn's and our tiled one, each checked against
+# Burn's first, its picks logged at info), and the base with each kernel alone beside it.
+step linear-kernels 90 env RUST_LOG=mmlora=info \
+    "${bench[@]}" --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto
+step bench-f16 120 "${bench[@]}" --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 \
+    --linear-kernel burn
+# The f16 linears on cooperative matrices (the tensor cores), never run before on hardware.
+step coop-f16 90 "${bench[@]}" --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 \
+    --linear-kernel coop
+# The linear kernels against float64, each coop product 50 times with every output checked, so
+# that a slice read from workgroup memory before its stores reach it (naga writes no
+# availability or visibility for them: wgpu issue #8805) would show. MMLORA_EXPECT_COOP=1
+# fails the coop tests where the adapter has no cooperative matrices, rather than skipping them.
+step linear-tests 120 env MMLORA_EXPECT_COOP=$expect_coop MMLORA_COOP_REPEATS=50 \
+    "$bin/lib" model::gemm --nocapture
+step linear-kernels-f16 90 env RUST_LOG=mmlora=info \
+    "${bench[@]}" --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto --precision f16
+# Where the time goes: each stage clocked (products in TFLOP/s, against the fp32 ALU peak of ~67
+# and cuBLAS's 50.3), with auto's linears.
+step stages 90 env RUST_LOG=mmlora=info \
+    "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto
+step stages-f16 90 env RUST_LOG=mmlora=info \
+    "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto --precision f16
+# The engine against transformers + PEFT, isolation and the rest, on a real driver.
+step engine-tests 180 "$bin/engine" --skip every_other_graphics_api
+# auto's timing per shape, on sizes up to 4 GiB, each pick checked first.
+step linear-choice-tests 90 env MMLORA_EXPECT_COOP=$expect_coop \
+    "$bin/lib" model::linear_choice --nocapture
+# Each linear alone in every kernel and precision (criterion; FLOP/s).
+step linears-alone 100 env MMLORA_BENCH_ROWS=$linear_rows "$bin/linear_bench" --bench \
+    --warm-up-time 0.5 --measurement-time 1
+# The op with the shrink shader built for software GPUs (compare with the bench step's op lines).
+step shrink-registers 60 "${bench[@]}" --adapters 8 --ranks 16,64 --op-rows 256,4096 \
+    --linear-kernel burn --lora-shrink registers
+step scale 150 "$bin/mmlora" bench --device gpu --json --scale "${shape[@]}" \
+    --scale-images 1,4,16,64 --scale-adapters 1,16,64 --linear-kernel burn
+step soak 120 env MMLORA_SOAK_BATCHES=200 "$bin/soak" on_wgpu --nocapture
+step device-faults 120 "$bin/device_faults"
+# The fixture batch on NVIDIA's OpenGL ES (EGL) too; last and on a short clock, since wgpu's GL
+# backend can hang on a slow compile (BENCHMARKS.md).
+step engine-on-gl 60 env MMLORA_GRAPHICS_APIS=vulkan,gl "$bin/engine" every_other_graphics_api \
+    --nocapture
+
+column -t "$OUT/steps.tsv"
+tail -n 40 "$OUT"/*.out
