@@ -13,8 +13,8 @@ use crate::adapters::{AdapterConfig, PeftAdapter};
 use crate::engine::batch::{Batch, BatchError};
 use crate::lora::meta::{KernelMeta, NO_SLOT, SlotTable};
 use crate::mapping::{
-    AdapterRequest, EncoderCache, LoraState, MmFeature, Modality, NO_ADAPTER, PlaceholderRange,
-    SpatialMergeCounts, set_active_mm_loras,
+    AdapterId, AdapterRequest, EncoderCache, LoraState, MmFeature, Modality, NO_ADAPTER,
+    PlaceholderRange, SpatialMergeCounts, set_active_mm_loras,
 };
 use crate::model::qwen2_vl::{LoraTarget, VisionConfig};
 
@@ -162,7 +162,7 @@ fn case(u: &mut Unstructured<'_>) -> Result<Case> {
             0 => None,
             n => Some(AdapterRequest {
                 name: format!("adapter{n}"),
-                id: n - 1, // 0 is refused: "no adapter"
+                id: AdapterId::from(n - 1), // 0 is refused: "no adapter"
                 path: format!("/adapters/{n}").into(),
             }),
         };
@@ -215,7 +215,7 @@ pub fn mapping(data: &[u8]) {
         .connector
         .as_ref()
         .expect("Qwen2-VL has a connector");
-    let ids: Vec<u32> = activation.adapters.iter().map(|a| a.id).collect();
+    let ids: Vec<AdapterId> = activation.adapters.iter().map(|a| a.id).collect();
     // Adapters: each once, ascending, never the "no adapter" id, and exactly those the rows use.
     assert!(ids.windows(2).all(|w| w[0] < w[1]), "{ids:?}");
     assert!(!ids.contains(&NO_ADAPTER));

@@ -15,8 +15,9 @@ use std::path::PathBuf;
 
 use crate::lora::meta::MAX_ROWS;
 
-/// An adapter's integer id, as vLLM's `lora_int_id`. [`NO_ADAPTER`] (0) means "no adapter".
-pub type AdapterId = u32;
+/// An adapter's integer id, as vLLM's `lora_int_id` (a Python int: 64 bits, so an engine that
+/// gives every load a fresh id never runs out). [`NO_ADAPTER`] (0) means "no adapter".
+pub type AdapterId = u64;
 
 /// The id carried by rows that use no adapter.
 pub const NO_ADAPTER: AdapterId = 0;
@@ -771,7 +772,7 @@ mod tests {
     fn random_step() -> impl Strategy<Value = RandomStep> {
         prop::collection::vec(
             (
-                0u32..5,
+                0u64..5,
                 prop::collection::vec((1usize..40, prop::bool::weighted(0.2)), 1..5),
             ),
             0..6,
