@@ -307,7 +307,8 @@ impl PeftAdapter {
     }
 
     /// Checks an adapter built in memory against `targets`: known modules, ranks in
-    /// `1..=max_rank`, A and B of the module's shapes.
+    /// `1..=max_rank`, A and B of the module's shapes and finite (as loading from a file
+    /// requires: one NaN or infinity would reach every row on the adapter's slot).
     pub fn check(&self, targets: &[LoraTarget], max_rank: usize) -> Result<(), AdapterError> {
         for (path, module) in &self.modules {
             let incompatible = |reason: String| AdapterError::Incompatible {
@@ -337,6 +338,14 @@ impl PeftAdapter {
                     module.b.len()
                 )));
             }
+            for (matrix, values) in [("A", &module.a), ("B", &module.b)] {
+                if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+                    return Err(incompatible(format!(
+                        "{matrix} holds {} at element {at}",
+                        values[at]
+                    )));
+                }
+            }
         }
         Ok(())
     }
@@ -348,7 +357,7 @@ impl PeftAdapter {
         let largest = f32::from(half::f16::MAX);
         for (path, module) in &self.modules {
             for (matrix, values) in [("A", &module.a), ("B", &module.b)] {
-                if let Some(at) = values.iter().position(|v| v.abs() > largest) {
+                if let Some(at) = values.iter().position(|v| v.is_nan() || v.abs() > largest) {
                     let scaled = if matrix == "B" {
                         format!(" (scaled by {})", module.scale)
                     } else {
@@ -717,6 +726,32 @@ mod tests {
             refused.contains("blocks.0.attn.qkv") && refused.contains("B (scaled by 65504.00"),
             "{refused}"
         );
+    }
+
+    /// An adapter built in memory with a NaN or an infinity is refused, by the check every
+    /// adapter passes and by the f16 one (which no comparison with NaN would trip).
+    #[test]
+    fn values_that_are_not_finite_are_refused_in_memory() {
+        let keys = pair("model.visual.", "blocks.0.attn.qkv");
+        let keys = [keys[0].as_str(), keys[1].as_str()];
+        let adapter = load(r#"{"r": 2, "lora_alpha": 2}"#, &keys).unwrap();
+        assert!(adapter.check(&targets(), RANK).is_ok());
+        for (matrix, value) in [("A", f32::NAN), ("B", f32::INFINITY), ("B", f32::NAN)] {
+            let mut bad = adapter.clone();
+            let module = bad.modules.get_mut("blocks.0.attn.qkv").unwrap();
+            match matrix {
+                "A" => module.a[1] = value,
+                _ => module.b[1] = value,
+            }
+            let refused = bad.check(&targets(), RANK).unwrap_err().to_string();
+            assert!(
+                refused.contains("blocks.0.attn.qkv")
+                    && refused.contains(&format!("{matrix} holds")),
+                "{refused}"
+            );
+            let refused = bad.check_fits_f16().unwrap_err().to_string();
+            assert!(refused.contains("beyond f16's largest"), "{refused}");
+        }
     }
 
     #[test]

@@ -222,6 +222,26 @@ fn an_adapter_beyond_f16_is_refused_in_f16_and_changes_nothing() {
 }
 
 #[test]
+fn an_adapter_holding_nan_is_refused_and_changes_nothing() {
+    let cpu = device::cpu();
+    let mut engine = engine(&cpu, EngineOptions::default());
+    let names = engine.adapter_names();
+    let targets = engine.model().lora_targets();
+    let mut adapter = mmlora::bench::random_adapter("all-r4", &targets, 4, 0);
+    let path = targets[1].path.clone();
+    adapter.modules.get_mut(&path).unwrap().a[5] = f32::NAN;
+    let error = engine.insert_adapter(adapter).unwrap_err();
+    assert!(
+        error.to_string().contains(&path) && error.to_string().contains("NaN"),
+        "{error}"
+    );
+    // all-r4 keeps its weights from the fixture.
+    assert_eq!(engine.adapter_names(), names);
+    let results = engine.encode(&fixture_requests(), true).unwrap();
+    assert_matches_fixtures(&results, 1e-5, &cpu.description);
+}
+
+#[test]
 fn f16_is_refused_where_the_device_cannot_compute_it() {
     let options = EngineOptions {
         precision: Precision::F16,
