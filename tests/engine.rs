@@ -296,6 +296,79 @@ fn a_step_needing_a_slot_frees_the_one_used_least_recently() {
     assert_eq!(on("rslora-r8"), slots(["rslora-r8", "tower-r2"]));
 }
 
+/// A slot whose adapter's weights left memory keeps them on the device until a step needs its
+/// room: freeing it at once would restack every slot for nothing.
+#[test]
+fn a_slot_whose_weights_left_memory_is_freed_only_for_room() {
+    let cpu = device::cpu();
+    let options = EngineOptions {
+        max_loras: 2,
+        max_cpu_adapters: 2,
+        ..EngineOptions::default()
+    };
+    let mut engine = Engine::open(&fixture_dir(), cpu, options).unwrap();
+    let load = |engine: &mut Engine, name: &str| {
+        let dir = fixture_dir().join("adapters").join(name);
+        engine.load_adapter(name, &dir).unwrap();
+    };
+    let on = |engine: &mut Engine, adapter: &str| {
+        let request = Request {
+            adapter: Some(adapter.to_owned()),
+            ..fixture_requests().remove(0)
+        };
+        engine.encode(&[request], false).unwrap();
+        engine.slotted()
+    };
+    let slots = |names: [&str; 2]| names.map(|n| Some(n.to_owned())).to_vec();
+    load(&mut engine, "patterns");
+    load(&mut engine, "all-r4");
+    on(&mut engine, "patterns");
+    assert_eq!(on(&mut engine, "all-r4"), slots(["patterns", "all-r4"]));
+    // Two adapters' weights in memory at most: loading tower-r2 evicts patterns'.
+    load(&mut engine, "tower-r2");
+    assert_eq!(on(&mut engine, "all-r4"), slots(["patterns", "all-r4"]));
+    // tower-r2 needs a slot: patterns', whose weights left memory, goes first.
+    assert_eq!(on(&mut engine, "tower-r2"), slots(["tower-r2", "all-r4"]));
+}
+
+/// A rebuilt engine keeps the adapters held in memory as they were (one built in memory, whose
+/// folder does not exist, included) and reads evicted ones back only when a request needs them.
+#[test]
+fn a_rebuilt_engine_keeps_the_weights_in_memory_and_reads_back_only_what_it_needs() {
+    let tmp = tempfile::TempDir::new().unwrap();
+    let gone = tmp.path().join("gone");
+    common::copy_dir(&fixture_dir().join("adapters/all-r4"), &gone);
+    let cpu = device::cpu();
+    let options = EngineOptions {
+        max_loras: 2,
+        max_cpu_adapters: 2,
+        ..EngineOptions::default()
+    };
+    let mut engine = Engine::open(&fixture_dir(), cpu.clone(), options).unwrap();
+    engine.load_adapter("gone", &gone).unwrap();
+    let targets = engine.model().lora_targets();
+    let mut in_memory = mmlora::bench::random_adapter("in-memory", &targets, 4, 1);
+    in_memory.dir = tmp.path().join("never-written");
+    engine.insert_adapter(in_memory).unwrap();
+    engine
+        .load_adapter("tower-r2", &fixture_dir().join("adapters/tower-r2"))
+        .unwrap(); // evicts gone's weights from memory
+    std::fs::remove_dir_all(&gone).unwrap();
+    let request = |adapter: &str| Request {
+        adapter: Some(adapter.to_owned()),
+        ..fixture_requests().remove(0)
+    };
+    let before = engine.encode(&[request("in-memory")], false).unwrap();
+
+    let mut rebuilt = engine.rebuild(cpu).unwrap();
+    assert_eq!(rebuilt.adapter_names(), ["gone", "in-memory", "tower-r2"]);
+    let after = rebuilt.encode(&[request("in-memory")], false).unwrap();
+    // Tolerance: none; the same weights through the same kernels.
+    assert_eq!(after[0].embeds, before[0].embeds);
+    let error = rebuilt.encode(&[request("gone")], false).unwrap_err();
+    assert!(error.to_string().contains("gone"), "{error}");
+}
+
 /// Each request alone, and the batch in reverse order, against the batch in order.
 fn a_request_alone_equals_its_row_of_any_batch(on: &RuntimeDevice, rel_tol: f64) {
     let mut engine = engine(on, EngineOptions::default());

@@ -26,7 +26,7 @@ pub struct Registration {
 }
 
 /// Registered adapters and the LRU of their weights.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct AdapterRegistry {
     capacity: usize,
     names: BTreeMap<String, Registration>,
@@ -103,6 +103,11 @@ impl AdapterRegistry {
     /// The weights of `key` if they are in memory, without changing the LRU order.
     pub fn get(&self, key: AdapterKey) -> Option<&Arc<PeftAdapter>> {
         self.loaded.get(&key)
+    }
+
+    /// The adapters whose weights are in memory.
+    pub fn in_memory(&self) -> impl Iterator<Item = &PeftAdapter> {
+        self.loaded.values().map(Arc::as_ref)
     }
 
     /// How many adapters' weights are in memory.

@@ -267,8 +267,10 @@ impl Engine {
     }
 
     /// A new engine like this one on `device` (after this one's device was lost, say): the
-    /// model read again from its folder and every adapter registered again, from memory or
-    /// from its folder. This engine is left as it was.
+    /// model read again from its folder, and every adapter registered as it was here. The
+    /// weights in memory stay there, in the same least-recently-used order, checked against
+    /// the model as read again; evicted ones are read back from their folders when a request
+    /// needs them, as here. This engine is left as it was.
     pub fn rebuild(&self, device: RuntimeDevice) -> Result<Engine, EngineError> {
         let Some(model_dir) = &self.model_dir else {
             return Err(EngineError::Options(
@@ -276,16 +278,12 @@ impl Engine {
             ));
         };
         let mut engine = Engine::open(model_dir, device, self.options)?;
-        for name in self.registry.names() {
-            let registration = self
-                .registry
-                .registration(name)
-                .expect("a listed name is registered");
-            match self.registry.get(registration.key) {
-                Some(adapter) => engine.insert_adapter(PeftAdapter::clone(adapter))?,
-                None => engine.load_adapter(name, &registration.dir)?,
-            };
+        let targets = engine.model.lora_targets();
+        for adapter in self.registry.in_memory() {
+            // In the same precision as here, so they fit it.
+            adapter.check(&targets, self.options.max_rank)?;
         }
+        engine.registry = self.registry.clone();
         Ok(engine)
     }
 
@@ -402,8 +400,8 @@ impl Engine {
     }
 
     /// The adapter in each GPU slot (by name; `None` for an empty slot or one whose adapter
-    /// was unloaded since), as the last step left them: a step that needs room frees the slots
-    /// used least recently.
+    /// was unloaded or loaded again since), as the last step left them: a step that needs room
+    /// frees the slots whose weights left memory first, then those used least recently.
     pub fn slotted(&self) -> Vec<Option<String>> {
         (0..self.slots.num_slots())
             .map(|slot| {
@@ -734,16 +732,13 @@ impl Engine {
     /// Puts `wanted` in GPU slots, freeing slots of adapters this step does not use only as
     /// needed, and restacks the model's LoRA weights when the slots changed. A fault while
     /// uploading them is an [`EngineError::Execution`], after which the next step restacks.
+    ///
+    /// A slot whose weights left memory (unloaded, reloaded or evicted) holds a key no request
+    /// asks for again (reading weights back gives a new one), so it is freed first when room
+    /// is needed, and when the slots are restacked anyway (its weights cannot be), but not
+    /// before: freeing it alone would restack every slot for nothing.
     fn activate(&mut self, wanted: &[AdapterKey]) -> Result<(), EngineError> {
         let n = self.slots.num_slots();
-        // Slots whose weights left memory cannot be restacked: free them.
-        for slot in 0..n {
-            if let Some(id) = self.slots.adapter_in(slot)
-                && self.registry.get(id).is_none()
-            {
-                self.slots.deactivate(id);
-            }
-        }
         let missing = wanted
             .iter()
             .filter(|&&id| self.slots.slot_of(id).is_none())
@@ -751,13 +746,15 @@ impl Engine {
         let free = (0..n)
             .filter(|&s| self.slots.adapter_in(s).is_none())
             .count();
-        // The slots this step does not use, least recently used first.
-        let mut idle: Vec<(u64, AdapterKey)> = (0..n)
-            .filter_map(|s| Some((self.slot_used[s], self.slots.adapter_in(s)?)))
+        // The slots this step does not use: those whose weights left memory first, then the
+        // least recently used.
+        let mut idle: Vec<(bool, u64, AdapterKey)> = (0..n)
+            .filter_map(|s| self.slots.adapter_in(s).map(|id| (s, id)))
             .filter(|(_, id)| !wanted.contains(id))
+            .map(|(s, id)| (self.registry.get(id).is_some(), self.slot_used[s], id))
             .collect();
-        idle.sort_by_key(|&(used, _)| used);
-        for (_, id) in idle.into_iter().take(missing.saturating_sub(free)) {
+        idle.sort_by_key(|&(in_memory, used, _)| (in_memory, used));
+        for (_, _, id) in idle.into_iter().take(missing.saturating_sub(free)) {
             self.slots.deactivate(id);
         }
         self.activations += 1;
@@ -767,6 +764,13 @@ impl Engine {
         }
         let current: Vec<Option<AdapterKey>> = (0..n).map(|s| self.slots.adapter_in(s)).collect();
         if self.stacked.as_ref() != Some(&current) {
+            for &id in current.iter().flatten() {
+                if self.registry.get(id).is_none() {
+                    self.slots.deactivate(id);
+                }
+            }
+            let current: Vec<Option<AdapterKey>> =
+                (0..n).map(|s| self.slots.adapter_in(s)).collect();
             let adapters: Vec<Option<Arc<PeftAdapter>>> = current
                 .iter()
                 .map(|id| id.and_then(|id| self.registry.get(id).cloned()))

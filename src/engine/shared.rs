@@ -82,7 +82,9 @@ impl SharedEngine {
         engine.encode_patches(requests, &patches, with_tower)
     }
 
-    /// Runs `f` on the engine, holding the lock.
+    /// Runs `f` on the engine, holding the lock. `f` must keep the engine's model and image
+    /// processor: the handle decodes images and checks adapters against those it was made
+    /// with.
     pub fn with_engine<R>(&self, f: impl FnOnce(&mut Engine) -> R) -> Result<R, EngineError> {
         Ok(f(&mut *self.lock()?))
     }
