@@ -1,5 +1,5 @@
 //! QuickGELU, `x · sigmoid(1.702 · x)` (the MLP activation of Qwen2-VL's vision blocks), as a
-//! backend extension.
+//! backend extension; and GELU (the merger's) in f32 whatever the dtype.
 //!
 //! Composed from Burn's ops it is three passes over the MLP's widest activation, and on Flex (the
 //! CPU backend) each of them runs on one core with a scalar `exp`: about 60 ms per block at 2048
@@ -10,6 +10,7 @@
 use burn::backend::{
     Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor, wgpu::CubeBackend,
 };
+use burn::tensor::activation::gelu;
 use burn::tensor::{DType, Tensor};
 use multiversion::multiversion;
 use rayon::prelude::*;
@@ -44,6 +45,15 @@ pub fn quick_gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     Tensor::from_dispatch(<Dispatch as ActivationBackend>::quick_gelu(
         x.into_dispatch(),
     ))
+}
+
+/// GELU, `x · Φ(x)` with the error function (the merger's activation), computed in f32
+/// whatever `x`'s dtype, the result in `x`'s dtype: PyTorch's f16 GELU computes in f32 and
+/// rounds once, while Burn's composed GELU on an f16 tensor evaluates its `erf` polynomial in
+/// f16 and loses the negative tail (on lavapipe, −0 for GELU(−5.02) = −1.3·10⁻⁶).
+pub fn gelu_in_f32<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    let dtype = x.dtype();
+    gelu(x.cast(DType::F32)).cast(dtype)
 }
 
 impl ActivationBackend for CubeBackend {}
@@ -148,5 +158,45 @@ mod tests {
             );
         }
         x.into_data().assert_eq(&before, true);
+    }
+
+    /// In f16 (on a GPU with `SHADER_F16`), each value is float64's GELU of the f16 input
+    /// rounded to f16 once, within what Burn's f32 `erf` polynomial adds: computed in f16, the
+    /// polynomial misses this bound (at −5.02 first, counting from −8).
+    #[test]
+    fn f16_gelu_computes_in_f32_and_rounds_once() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        if !gpu.supports(device::Precision::F16) {
+            eprintln!("{}: no SHADER_F16, f16 GELU test not run", gpu.description);
+            return;
+        }
+        let mut values: Vec<f32> = (-1600..=1600).map(|i| i as f32 / 200.0).collect();
+        values.extend([-20.0, -10.0, 10.0, 20.0, 1e-4, -1e-4]);
+        let len = values.len();
+        let x =
+            Tensor::<1>::from_data(TensorData::new(values, [len]), &gpu.device).cast(DType::F16);
+        let got = gelu_in_f32(x.clone());
+        assert_eq!(got.dtype(), DType::F16);
+        let floats = |t: Tensor<1>| t.cast(DType::F32).into_data().try_to_vec::<f32>().unwrap();
+        for (x, y) in floats(x).into_iter().zip(floats(got)) {
+            let (x, y) = (f64::from(x), f64::from(y));
+            let exact = 0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2));
+            // Tolerance: half an f16 ulp of the result (its one rounding; 2^-24 below f16's
+            // normal range); Burn's f32 erf, within 1.5e-7 (Abramowitz and Stegun 7.1.26) plus
+            // its f32 arithmetic, taken as 5e-7, times |x| / 2; and the f32 products, 2^-22
+            // of the result.
+            let ulp = if exact.abs() < 2f64.powi(-14) {
+                2f64.powi(-24)
+            } else {
+                2f64.powi(exact.abs().log2().floor() as i32 - 10)
+            };
+            let bound = ulp / 2.0 + 5e-7 * x.abs() / 2.0 + 2f64.powi(-22) * exact.abs();
+            assert!(
+                (y - exact).abs() <= bound,
+                "GELU({x}): {y} against {exact}, bound {bound:e}"
+            );
+        }
     }
 }

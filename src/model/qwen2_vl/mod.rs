@@ -8,13 +8,12 @@ mod rotary;
 
 use std::path::Path;
 
-use burn::tensor::activation::gelu;
 use burn::tensor::module::layer_norm;
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
 
 use crate::lora::linear::LoraLinear;
 use crate::lora::ops::{LoraBatch, LoraOpError};
-use crate::model::activation::quick_gelu;
+use crate::model::activation::{gelu_in_f32, quick_gelu};
 use crate::model::checkpoint::{Checkpoint, CheckpointError};
 use crate::model::linear_choice::LinearChoice;
 use crate::model::rope;
@@ -386,7 +385,7 @@ impl Qwen2VlVision {
             .norm(&self.merger.ln_q, x.clone())
             .reshape([rows / (m * m), self.config.embed_dim * m * m]);
         let hidden = self.linear(&self.merger.mlp0, merged, connector, Stage::MergerMlp0)?;
-        let activated = gelu(hidden);
+        let activated = gelu_in_f32(hidden);
         self.stages.mark(Stage::Activation);
         let embeds = self.linear(&self.merger.mlp2, activated, connector, Stage::MergerMlp2)?;
         let output = VisionOutput {
