@@ -4,6 +4,8 @@
 
 mod common;
 
+use std::path::PathBuf;
+
 use burn::tensor::wgpu::WgpuBackend;
 use common::{Expected, errors, fixture_dir, fixture_requests};
 use mmlora::device::{self, Precision, RuntimeDevice};
@@ -14,7 +16,12 @@ use mmlora::model::gemm::{self, LinearKernel};
 const ADAPTERS: [&str; 4] = ["all-r4", "patterns", "rslora-r8", "tower-r2"];
 
 fn engine(on: &RuntimeDevice, options: EngineOptions) -> Engine {
-    let mut engine = Engine::open(&fixture_dir(), on.clone(), options).unwrap();
+    engine_on(&fixture_dir(), on, options)
+}
+
+/// The model in `model_dir` with the fixture's adapters loaded.
+fn engine_on(model_dir: &std::path::Path, on: &RuntimeDevice, options: EngineOptions) -> Engine {
+    let mut engine = Engine::open(model_dir, on.clone(), options).unwrap();
     for name in ADAPTERS {
         engine
             .load_adapter(name, &fixture_dir().join("adapters").join(name))
@@ -239,6 +246,98 @@ fn an_adapter_holding_nan_is_refused_and_changes_nothing() {
     assert_eq!(engine.adapter_names(), names);
     let results = engine.encode(&fixture_requests(), true).unwrap();
     assert_matches_fixtures(&results, 1e-5, &cpu.description);
+}
+
+/// A copy of the fixture model under `dir` whose `merger.mlp.2.weight` is `edit`ed (the
+/// fixture writes it in f32).
+fn model_with_merger_weight(dir: &std::path::Path, edit: impl Fn(&mut [f32])) -> PathBuf {
+    let model = dir.join("model");
+    common::copy_dir(&fixture_dir(), &model);
+    let shard = model.join("model-00002-of-00002.safetensors");
+    common::rewrite_safetensors(&shard, |name, dtype, shape, bytes| {
+        if name != "model.visual.merger.mlp.2.weight" {
+            return common::keep(name, dtype, shape, bytes);
+        }
+        let mut values: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        edit(&mut values);
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        common::keep(name, dtype, shape, &bytes)
+    });
+    model
+}
+
+#[test]
+fn a_model_weight_beyond_f16_is_refused_in_f16_and_serves_in_f32() {
+    let Some(gpu) = device::gpu_for_tests() else {
+        return;
+    };
+    if !gpu.supports(Precision::F16) {
+        eprintln!(
+            "{}: no SHADER_F16, f16 weight check not run",
+            gpu.description
+        );
+        return;
+    }
+    let tmp = tempfile::TempDir::new().unwrap();
+    // Cast to f16 it would be infinite (f16's largest is 65504).
+    let model = model_with_merger_weight(tmp.path(), |w| w[7] = -7e4);
+    let options = EngineOptions {
+        precision: Precision::F16,
+        ..EngineOptions::default()
+    };
+    let error = Engine::open(&model, gpu.clone(), options).unwrap_err();
+    assert!(
+        matches!(&error, EngineError::WeightBeyondF16 { tensor, largest }
+            if tensor == "merger.mlp.2.weight" && *largest == 7e4),
+        "{error}"
+    );
+    engine_on(&model, &gpu, EngineOptions::default())
+        .encode(&fixture_requests(), false)
+        .unwrap();
+}
+
+/// Weights f16 holds can still overflow it on the way: the step fails, naming the request,
+/// rather than handing back infinite embeddings; the same model in f32 serves.
+#[test]
+fn an_output_beyond_f16_fails_the_step_naming_the_request() {
+    let Some(gpu) = device::gpu_for_tests() else {
+        return;
+    };
+    if !gpu.supports(Precision::F16) {
+        eprintln!(
+            "{}: no SHADER_F16, f16 overflow test not run",
+            gpu.description
+        );
+        return;
+    }
+    let tmp = tempfile::TempDir::new().unwrap();
+    // Every embedding is 6e4 × (the sum of a merged row's 128 GELU outputs) + bias: beyond
+    // 65504 unless that sum is below 1.1.
+    let model = model_with_merger_weight(tmp.path(), |w| w.fill(6e4));
+    let options = EngineOptions {
+        precision: Precision::F16,
+        ..EngineOptions::default()
+    };
+    let mut engine = engine_on(&model, &gpu, options);
+    let requests = fixture_requests();
+    let error = engine.encode(&requests, false).unwrap_err();
+    assert!(
+        matches!(&error, EngineError::NotFinite { request, output: "embeddings", .. }
+            if requests.iter().any(|r| &r.id == request)),
+        "{error}"
+    );
+    assert!(error.to_string().contains("run it in f32"), "{error}");
+    let results = engine_on(&model, &gpu, EngineOptions::default())
+        .encode(&requests, false)
+        .unwrap();
+    assert!(
+        results
+            .iter()
+            .all(|r| r.embeds.values.iter().all(|v| v.is_finite()))
+    );
 }
 
 #[test]

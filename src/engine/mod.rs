@@ -191,6 +191,36 @@ pub enum EngineError {
         /// The most rows per step.
         limit: usize,
     },
+    /// A model weight is beyond f16's range: cast, it would be infinite, and so would every
+    /// output.
+    #[error(
+        "model tensor `{tensor}` holds magnitudes up to {largest:e}, beyond f16's largest ({}); run this model in f32",
+        half::f16::MAX
+    )]
+    WeightBeyondF16 {
+        /// The checkpoint name (without the `visual.` / `model.visual.` choice).
+        tensor: String,
+        /// Its largest magnitude.
+        largest: f32,
+    },
+    /// A request's output is not finite: the model overflowed the precision it computes in.
+    #[error(
+        "request `{request}`: its {output} hold {value} (row {row}): the model overflowed {}{}",
+        precision.name(),
+        if *precision == Precision::F16 { "; run it in f32" } else { "" }
+    )]
+    NotFinite {
+        /// The request id.
+        request: String,
+        /// `tower outputs` or `embeddings`.
+        output: &'static str,
+        /// The first value that is not finite.
+        value: f32,
+        /// Its row in the request's output.
+        row: usize,
+        /// What the model computed in.
+        precision: Precision,
+    },
     /// Two requests share an id.
     #[error("request id `{0}` appears more than once")]
     DuplicateRequest(String),
@@ -299,6 +329,9 @@ impl Engine {
             .map_err(|reason| EngineError::Options(format!("the image processor: {reason}")))?;
         if let Some(limit) = device.buffer_limit {
             model.set_buffer_limit(limit.min(model.buffer_limit()));
+        }
+        if options.precision == Precision::F16 {
+            check_fits_f16(&model)?;
         }
         let dtype = options.precision.dtype();
         let mut model = model.cast(dtype);
@@ -427,7 +460,8 @@ impl Engine {
     /// returns one result per request in the same order. Everything is checked (ids, adapter
     /// names, images) before anything runs; with `with_tower` the tower's output comes back too.
     /// An adapter whose weights were evicted from memory (`max_cpu_adapters`) is read back from
-    /// its folder at the step that needs it, and a folder that fails then fails the call.
+    /// its folder at the step that needs it, and a folder that fails then fails the call, as
+    /// does an output that is not finite ([`EngineError::NotFinite`]).
     pub fn encode(
         &mut self,
         requests: &[Request],
@@ -612,26 +646,41 @@ impl Engine {
             "step encoded"
         );
 
-        // Split the rows per request.
+        // Split the rows per request; an output that is not finite fails the step.
         let mut start = 0;
-        Ok(members
+        members
             .iter()
             .map(|&i| {
                 let rows = patches[i].rows();
                 let tower = tower.as_ref().map(|t| t.rows(start, rows));
                 let embeds = embeds.rows(start / (merge * merge), rows / (merge * merge));
                 start += rows;
-                Encoded {
-                    id: requests[i].id.clone(),
+                let request = &requests[i].id;
+                for (output, values) in [
+                    ("embeddings", Some(&embeds)),
+                    ("tower outputs", tower.as_ref()),
+                ] {
+                    if let Some((row, value)) = values.and_then(HostTensor::first_not_finite) {
+                        return Err(EngineError::NotFinite {
+                            request: request.clone(),
+                            output,
+                            value,
+                            row,
+                            precision: self.options.precision,
+                        });
+                    }
+                }
+                Ok(Encoded {
+                    id: request.clone(),
                     adapter: requests[i].adapter.clone(),
                     grid_thw: patches[i].grid_thw,
                     embeds,
                     tower,
                     step,
                     step_time,
-                }
+                })
             })
-            .collect())
+            .collect()
     }
 
     /// Uploads a step's patches, runs tower and connector, and reads the results back.
@@ -798,6 +847,12 @@ impl HostTensor {
             values: self.values[start * width..(start + count) * width].to_vec(),
         }
     }
+
+    /// The first value that is not finite, with its row.
+    fn first_not_finite(&self) -> Option<(usize, f32)> {
+        let at = self.values.iter().position(|v| !v.is_finite())?;
+        Some((at / self.shape[1], self.values[at]))
+    }
 }
 
 /// Refuses a batch in which two requests share an id.
@@ -850,6 +905,23 @@ fn request_patches(
             reason,
         }),
         None => Ok(patches),
+    }
+}
+
+/// Refuses a model with a weight f16 cannot hold (one read-back of every weight's largest
+/// magnitude).
+fn check_fits_f16(model: &Qwen2VlVision) -> Result<(), EngineError> {
+    let (names, largest) = model.cast_magnitudes();
+    let largest = largest
+        .try_into_vec_as::<f32>()
+        .map_err(|e| EngineError::Execution(e.to_string()))?;
+    let limit = f32::from(half::f16::MAX);
+    match largest.iter().position(|&v| v > limit) {
+        Some(at) => Err(EngineError::WeightBeyondF16 {
+            tensor: names[at].clone(),
+            largest: largest[at],
+        }),
+        None => Ok(()),
     }
 }
 

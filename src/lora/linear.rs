@@ -79,6 +79,17 @@ impl LoraLinear {
         }
     }
 
+    /// The largest magnitude in `W` and in `b` (0 without a bias): a `[2]` tensor on the
+    /// layer's device, so a check of many layers reads back once.
+    pub fn largest_magnitudes(&self) -> Tensor<1> {
+        let weight = self.weight_t.clone().abs().max();
+        let bias = match &self.bias {
+            Some(bias) => bias.clone().abs().max(),
+            None => weight.zeros_like(),
+        };
+        Tensor::cat(vec![weight, bias], 0)
+    }
+
     /// Whether adapter weights are installed.
     pub fn has_lora(&self) -> bool {
         self.lora.is_some()

@@ -212,6 +212,19 @@ impl Qwen2VlVision {
         })
     }
 
+    /// The checkpoint name of every tensor [`Self::cast`] casts (the linears' weights and
+    /// biases, the patch embedding), and beside them on the device their largest magnitudes
+    /// (so a check of them all reads back once).
+    pub fn cast_magnitudes(&self) -> (Vec<String>, Tensor<1>) {
+        let mut names = vec!["patch_embed.proj.weight".to_owned()];
+        let mut largest = vec![self.patch_embed_t.clone().abs().max()];
+        for (path, linear) in self.linears() {
+            names.extend([format!("{path}.weight"), format!("{path}.bias")]);
+            largest.push(linear.largest_magnitudes());
+        }
+        (names, Tensor::cat(largest, 0))
+    }
+
     /// The model computing in `dtype` (`F32` or `F16`): the linears' weights cast once; norms
     /// (their parameters stay f32) and softmax still run in f32, and the outputs come back as f32.
     pub fn cast(self, dtype: DType) -> Self {
@@ -305,6 +318,24 @@ impl Qwen2VlVision {
     /// Every LoRA target linear, in a fixed order.
     pub fn lora_targets(&self) -> Vec<LoraTarget> {
         self.config.lora_targets()
+    }
+
+    /// Every linear with its path, in [`Self::lora_targets`]'s order (each is a target).
+    fn linears(&self) -> impl Iterator<Item = (String, &LoraLinear)> {
+        let blocks = self.blocks.iter().enumerate().flat_map(|(i, b)| {
+            [
+                ("attn.qkv", &b.qkv),
+                ("attn.proj", &b.proj),
+                ("mlp.fc1", &b.fc1),
+                ("mlp.fc2", &b.fc2),
+            ]
+            .map(|(name, linear)| (format!("blocks.{i}.{name}"), linear))
+        });
+        let merger = [
+            ("merger.mlp.0".to_owned(), &self.merger.mlp0),
+            ("merger.mlp.2".to_owned(), &self.merger.mlp2),
+        ];
+        blocks.chain(merger)
     }
 
     /// The target linear at `path` (as listed by [`Self::lora_targets`]).
