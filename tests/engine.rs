@@ -9,7 +9,9 @@ use std::path::PathBuf;
 use burn::tensor::wgpu::WgpuBackend;
 use common::{Expected, errors, fixture_dir, fixture_requests};
 use mmlora::device::{self, Precision, RuntimeDevice};
-use mmlora::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
+use mmlora::engine::{
+    Encoded, Engine, EngineError, EngineOptions, ImageSource, Request, SharedEngine,
+};
 use mmlora::lora::ops::ShrinkKernel;
 use mmlora::model::gemm::{self, LinearKernel};
 
@@ -229,7 +231,7 @@ fn an_adapter_beyond_f16_is_refused_in_f16_and_changes_nothing() {
 }
 
 #[test]
-fn an_adapter_holding_nan_is_refused_and_changes_nothing() {
+fn an_adapter_holding_nan_is_refused_and_changes_nothing_alone_or_shared() {
     let cpu = device::cpu();
     let mut engine = engine(&cpu, EngineOptions::default());
     let names = engine.adapter_names();
@@ -237,14 +239,18 @@ fn an_adapter_holding_nan_is_refused_and_changes_nothing() {
     let mut adapter = mmlora::bench::random_adapter("all-r4", &targets, 4, 0);
     let path = targets[1].path.clone();
     adapter.modules.get_mut(&path).unwrap().a[5] = f32::NAN;
-    let error = engine.insert_adapter(adapter).unwrap_err();
+    let error = engine.insert_adapter(adapter.clone()).unwrap_err();
     assert!(
         error.to_string().contains(&path) && error.to_string().contains("NaN"),
         "{error}"
     );
+    // The same through a shared engine, which checks before taking its lock.
+    let shared = SharedEngine::new(engine);
+    let error = shared.insert_adapter(adapter).unwrap_err();
+    assert!(error.to_string().contains("NaN"), "{error}");
     // all-r4 keeps its weights from the fixture.
-    assert_eq!(engine.adapter_names(), names);
-    let results = engine.encode(&fixture_requests(), true).unwrap();
+    assert_eq!(shared.adapter_names().unwrap(), names);
+    let results = shared.encode(&fixture_requests(), true).unwrap();
     assert_matches_fixtures(&results, 1e-5, &cpu.description);
 }
 

@@ -51,9 +51,11 @@ impl SharedEngine {
         self.lock()?.register(adapter)
     }
 
-    /// [`Engine::insert_adapter`].
+    /// [`Engine::insert_adapter`]: the weights are checked against the model before the lock
+    /// is taken.
     pub fn insert_adapter(&self, adapter: PeftAdapter) -> Result<Arc<PeftAdapter>, EngineError> {
-        self.lock()?.insert_adapter(adapter)
+        adapter.check(&self.inner.targets, self.inner.max_rank)?;
+        self.lock()?.register(adapter)
     }
 
     /// [`Engine::unload_adapter`]: calls already running finish with the adapter.
