@@ -146,18 +146,25 @@ fn a_mixed_batch_matches_peft_on_every_other_graphics_api() {
     }
 }
 
-/// f16 against PEFT in f32, with the default linears, the kernels timed per shape and, where
-/// the device has cooperative matrices, with `coop`'s.
-#[test]
-fn f16_on_the_gpu_stays_close_to_peft_in_f32() {
-    let Some(gpu) = device::gpu_for_tests() else {
-        return;
-    };
+/// The GPU for the f16 tests, which must have `SHADER_F16` (lavapipe has it); `None` as
+/// [`device::gpu_for_tests`].
+fn f16_gpu() -> Option<RuntimeDevice> {
+    let gpu = device::gpu_for_tests()?;
     assert!(
         gpu.supports(Precision::F16),
         "{} has no SHADER_F16 (lavapipe has it)",
         gpu.description
     );
+    Some(gpu)
+}
+
+/// f16 against PEFT in f32, with the default linears, the kernels timed per shape and, where
+/// the device has cooperative matrices, with `coop`'s.
+#[test]
+fn f16_on_the_gpu_stays_close_to_peft_in_f32() {
+    let Some(gpu) = f16_gpu() else {
+        return;
+    };
     let expected = Expected::load();
     let mut kernels = vec![LinearKernel::Auto, LinearKernel::Timed];
     if gemm::coop_subgroup(&gpu).is_some() {
@@ -205,7 +212,7 @@ fn f16_on_the_gpu_stays_close_to_peft_in_f32() {
 
 #[test]
 fn an_adapter_beyond_f16_is_refused_in_f16_and_changes_nothing() {
-    let Some(gpu) = device::gpu_for_tests() else {
+    let Some(gpu) = f16_gpu() else {
         return;
     };
     let options = EngineOptions {
@@ -277,16 +284,9 @@ fn model_with_merger_weight(dir: &std::path::Path, edit: impl Fn(&mut [f32])) ->
 
 #[test]
 fn a_model_weight_beyond_f16_is_refused_in_f16_and_serves_in_f32() {
-    let Some(gpu) = device::gpu_for_tests() else {
+    let Some(gpu) = f16_gpu() else {
         return;
     };
-    if !gpu.supports(Precision::F16) {
-        eprintln!(
-            "{}: no SHADER_F16, f16 weight check not run",
-            gpu.description
-        );
-        return;
-    }
     let tmp = tempfile::TempDir::new().unwrap();
     // Cast to f16 it would be infinite (f16's largest is 65504).
     let model = model_with_merger_weight(tmp.path(), |w| w[7] = -7e4);
@@ -309,16 +309,9 @@ fn a_model_weight_beyond_f16_is_refused_in_f16_and_serves_in_f32() {
 /// rather than handing back infinite embeddings; the same model in f32 serves.
 #[test]
 fn an_output_beyond_f16_fails_the_step_naming_the_request() {
-    let Some(gpu) = device::gpu_for_tests() else {
+    let Some(gpu) = f16_gpu() else {
         return;
     };
-    if !gpu.supports(Precision::F16) {
-        eprintln!(
-            "{}: no SHADER_F16, f16 overflow test not run",
-            gpu.description
-        );
-        return;
-    }
     let tmp = tempfile::TempDir::new().unwrap();
     // Every embedding is 6e4 × (the sum of a merged row's 128 GELU outputs) + bias: beyond
     // 65504 unless that sum is below 1.1.
