@@ -778,6 +778,13 @@ impl Engine {
         Ok(keys)
     }
 
+    /// The adapter key in each GPU slot.
+    fn slot_contents(&self) -> Vec<Option<AdapterKey>> {
+        (0..self.slots.num_slots())
+            .map(|s| self.slots.adapter_in(s))
+            .collect()
+    }
+
     /// Puts `wanted` in GPU slots, freeing slots of adapters this step does not use only as
     /// needed, and restacks the model's LoRA weights when the slots changed. A fault while
     /// uploading them is an [`EngineError::Execution`], after which the next step restacks.
@@ -811,15 +818,14 @@ impl Engine {
             let slot = self.slots.activate(id)?;
             self.slot_used[slot] = self.activations;
         }
-        let current: Vec<Option<AdapterKey>> = (0..n).map(|s| self.slots.adapter_in(s)).collect();
+        let current = self.slot_contents();
         if self.stacked.as_ref() != Some(&current) {
             for &id in current.iter().flatten() {
                 if self.registry.get(id).is_none() {
                     self.slots.deactivate(id);
                 }
             }
-            let current: Vec<Option<AdapterKey>> =
-                (0..n).map(|s| self.slots.adapter_in(s)).collect();
+            let current = self.slot_contents();
             let adapters: Vec<Option<Arc<PeftAdapter>>> = current
                 .iter()
                 .map(|id| id.and_then(|id| self.registry.get(id).cloned()))
