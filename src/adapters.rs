@@ -81,6 +81,9 @@ pub struct ModuleLora {
     pub b: Vec<f32>,
     /// The scale that was folded in.
     pub scale: f64,
+    /// The keys of `adapter_model.safetensors` that A and B were read from (`None` for a
+    /// module built in memory), for errors to name.
+    pub keys: Option<[String; 2]>,
 }
 
 /// A loaded, validated adapter.
@@ -286,7 +289,17 @@ impl PeftAdapter {
                     format!("element {bad} overflows f32 once scaled by {scale}"),
                 ));
             }
-            modules.insert(path, ModuleLora { rank, a, b, scale });
+            let keys = Some([a_key, b_key]);
+            modules.insert(
+                path,
+                ModuleLora {
+                    rank,
+                    a,
+                    b,
+                    scale,
+                    keys,
+                },
+            );
         }
         Ok(Self {
             name: name.to_owned(),
@@ -356,17 +369,27 @@ impl PeftAdapter {
     pub fn check_fits_f16(&self) -> Result<(), AdapterError> {
         let largest = f32::from(half::f16::MAX);
         for (path, module) in &self.modules {
-            for (matrix, values) in [("A", &module.a), ("B", &module.b)] {
+            for (side, (matrix, values)) in
+                [("A", &module.a), ("B", &module.b)].into_iter().enumerate()
+            {
                 if let Some(at) = values.iter().position(|v| v.is_nan() || v.abs() > largest) {
                     let scaled = if matrix == "B" {
                         format!(" (scaled by {})", module.scale)
                     } else {
                         String::new()
                     };
+                    // Name the file's key where the module came from one, else its path.
+                    let (file, key) = match &module.keys {
+                        Some(keys) => (
+                            self.dir.join("adapter_model.safetensors"),
+                            keys[side].clone(),
+                        ),
+                        None => (self.dir.clone(), path.clone()),
+                    };
                     return Err(AdapterError::Incompatible {
                         adapter: self.name.clone(),
-                        path: self.dir.clone(),
-                        key: path.clone(),
+                        path: file,
+                        key,
                         reason: format!(
                             "{matrix}{scaled} holds {} at element {at}, beyond f16's largest \
                              finite value {largest}; the model computes in f16",
@@ -722,8 +745,11 @@ mod tests {
         };
         assert!(at(65_504.0).is_ok());
         let refused = at(65_504.0_f32.next_up()).unwrap_err().to_string();
+        // Loaded from a file, the error names the file and the key of B.
         assert!(
-            refused.contains("blocks.0.attn.qkv") && refused.contains("B (scaled by 65504.00"),
+            refused.contains("adapter_model.safetensors")
+                && refused.contains(&format!("key `{}`", keys[1]))
+                && refused.contains("B (scaled by 65504.00"),
             "{refused}"
         );
     }

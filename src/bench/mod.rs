@@ -429,6 +429,7 @@ pub fn random_adapter(name: &str, targets: &[LoraTarget], rank: usize, seed: usi
                     .map(|_| random.uniform(0.01))
                     .collect(),
                 scale: 1.0,
+                keys: None,
             };
             (t.path.clone(), module)
         })
