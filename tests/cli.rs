@@ -255,6 +255,54 @@ fn adapters_inspect_reports_the_adapter_and_its_compatibility() {
     );
 }
 
+/// An output that is one of the run's inputs, by whatever path, is refused before anything
+/// runs, and the input is left as it was.
+#[cfg(unix)]
+#[test]
+fn an_output_that_would_replace_an_input_is_refused() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for entry in std::fs::read_dir(fixture_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_file() {
+            std::fs::copy(&path, model.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let image = dir.path().join("square.png");
+    std::fs::copy(fixture_dir().join("images/square.png"), &image).unwrap();
+    let link = dir.path().join("link.png");
+    std::os::unix::fs::symlink(&image, &link).unwrap();
+    let config = model.join("config.json");
+    let shard = model.join("model-00001-of-00002.safetensors");
+    let [image_s, model_s] = [&image, &model].map(|p| p.display().to_string());
+    let encode = [
+        "encode", "--device", "cpu", "--model", &model_s, &image_s, "--out",
+    ];
+    let preprocess = ["preprocess", &image_s, "--model", &model_s, "--out"];
+    for (command, out) in [
+        (&encode[..], &image),
+        (&encode[..], &link),
+        (&encode[..], &shard),
+        (&preprocess[..], &image),
+        (&preprocess[..], &config),
+    ] {
+        let before = std::fs::read(out).unwrap();
+        let args = [command, &[out.to_str().unwrap()]].concat();
+        let result = mmlora(&args);
+        assert_eq!(result.status.code(), Some(1), "{args:?}");
+        let stderr = text(&result.stderr);
+        assert!(
+            stderr.contains("an input of this run"),
+            "{args:?}: {stderr}"
+        );
+        assert_eq!(std::fs::read(out).unwrap(), before, "{args:?} changed it");
+    }
+    // A new file beside the inputs is fine.
+    let fresh = model.join("out.safetensors");
+    assert_success(&mmlora(&[&encode[..], &[fresh.to_str().unwrap()]].concat()));
+}
+
 /// Bad arguments; bad files are the corpus in `tests/corpus.rs`.
 #[test]
 fn bad_arguments_fail_with_a_readable_error_and_leave_no_output() {

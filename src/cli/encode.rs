@@ -11,7 +11,9 @@ use mmlora::engine::{Encoded, Engine, EngineOptions, ImageSource, Request};
 use mmlora::lora::ops::ShrinkKernel;
 use mmlora::model::gemm::LinearKernel;
 
-use super::output::{OutputTensor, check_writable, write_safetensors};
+use super::output::{
+    OutputTensor, check_not_an_input, check_writable, files_in, write_safetensors,
+};
 use super::{CliError, default_model_dir};
 
 /// Arguments of `mmlora encode`.
@@ -62,9 +64,10 @@ pub struct EncodeArgs {
 /// Runs `mmlora encode`.
 pub fn run(args: EncodeArgs) -> Result<(), CliError> {
     let model_dir = args.model.clone().unwrap_or_else(default_model_dir);
-    let job = batch(&args, &model_dir)?;
+    let (job, batch_file) = batch(&args, &model_dir)?;
     if let Some(out) = &args.out {
         check_writable(out)?;
+        check_not_an_input(out, &inputs(&job, batch_file, &model_dir))?;
     }
     let device = device::select(args.device)?;
     // Progress on stderr, results on stdout: a reader that stops early (`| head`) ends the
@@ -121,22 +124,36 @@ fn summary_line(result: &Encoded, steps: usize) -> String {
     )
 }
 
-/// The job the arguments describe.
-fn batch(args: &EncodeArgs, model_dir: &Path) -> Result<Batch, CliError> {
-    if let Some(batch) = &args.batch {
-        return Ok(Batch::read(batch)?);
-    }
-    if !args.images.is_empty() {
-        return Ok(images_job(&args.images, args.adapter.as_deref()));
-    }
-    if args.model.is_some() {
+/// The job the arguments describe, and the batch file it was read from (if any).
+fn batch(args: &EncodeArgs, model_dir: &Path) -> Result<(Batch, Option<PathBuf>), CliError> {
+    let file = match (&args.batch, args.images.is_empty()) {
+        (Some(file), _) => file.clone(),
+        (None, false) => return Ok((images_job(&args.images, args.adapter.as_deref()), None)),
+        (None, true) => model_dir.join("batch.json"),
+    };
+    if args.batch.is_none() && args.model.is_some() {
         return Err(CliError::Usage(
             "nothing to encode: give IMAGE... or --batch FILE (the bundled example batch runs \
              only on the bundled model)"
                 .to_owned(),
         ));
     }
-    Ok(Batch::read(&model_dir.join("batch.json"))?)
+    Ok((Batch::read(&file)?, Some(file)))
+}
+
+/// Every file the job reads: its images, its batch file, and the files of the model's and the
+/// adapters' folders.
+fn inputs(job: &Batch, batch_file: Option<PathBuf>, model_dir: &Path) -> Vec<PathBuf> {
+    let images = job.requests.iter().filter_map(|r| match &r.image {
+        ImageSource::File(path) => Some(path.clone()),
+        _ => None,
+    });
+    let folders =
+        std::iter::once(model_dir).chain(job.adapters.iter().map(|(_, dir)| dir.as_path()));
+    images
+        .chain(batch_file)
+        .chain(folders.flat_map(files_in))
+        .collect()
 }
 
 /// Images from the command line, all with one adapter (named after its folder) or none. Each

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
@@ -74,4 +74,31 @@ pub fn check_writable(out: &Path) -> Result<(), CliError> {
         path: out.to_owned(),
         reason: e.to_string(),
     })
+}
+
+/// Refuses an output that is one of `inputs`, by any path (writing the results would replace
+/// it).
+pub fn check_not_an_input(out: &Path, inputs: &[PathBuf]) -> Result<(), CliError> {
+    match inputs
+        .iter()
+        .find(|input| same_file::is_same_file(out, input).unwrap_or(false))
+    {
+        Some(input) => Err(CliError::Usage(format!(
+            "--out {} would replace {}, an input of this run (an image, the batch file, or a \
+             file in the model's or an adapter's folder)",
+            out.display(),
+            input.display()
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// The files directly in `folder` (none where it cannot be read: loading it says why).
+pub fn files_in(folder: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(folder)
+        .into_iter()
+        .flatten()
+        .filter_map(|entry| Some(entry.ok()?.path()))
+        .filter(|path| path.is_file())
+        .collect()
 }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use mmlora::preprocess::{PreprocessConfig, load_image, preprocess};
 
-use super::output::{OutputTensor, write_safetensors};
+use super::output::{OutputTensor, check_not_an_input, files_in, write_safetensors};
 use super::{CliError, default_model_dir};
 
 /// Arguments of `mmlora preprocess`.
@@ -24,6 +24,9 @@ pub struct PreprocessArgs {
 /// Runs `mmlora preprocess`.
 pub fn run(args: PreprocessArgs) -> Result<(), CliError> {
     let model_dir = args.model.unwrap_or_else(default_model_dir);
+    let mut inputs = files_in(&model_dir);
+    inputs.push(args.image.clone());
+    check_not_an_input(&args.out, &inputs)?;
     let config = PreprocessConfig::from_model_dir(&model_dir)?;
     let patches =
         preprocess(&load_image(&args.image)?, &config).map_err(|e| e.in_file(&args.image))?;
