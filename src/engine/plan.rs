@@ -16,8 +16,9 @@ pub struct PlanItem {
 /// `max_rows` tower rows (a single larger request gets a step of its own).
 ///
 /// Adapters are taken `max_loras` at a time in order of first appearance, so each adapter's
-/// requests share one step; requests without adapter ride with the first group. Within a step,
-/// requests keep their order.
+/// requests share one step unless the row limit splits its group (then a group's tail may share
+/// a step with the next group's head); requests without adapter ride with the first group.
+/// Within a step, requests keep their order.
 pub fn plan_steps(items: &[PlanItem], max_loras: usize, max_rows: usize) -> Vec<Vec<usize>> {
     let mut first_seen: Vec<AdapterTag> = Vec::new();
     for key in items.iter().filter_map(|item| item.adapter) {

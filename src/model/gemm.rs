@@ -252,6 +252,11 @@ impl LinearKernel {
 /// width a multiple of 4, `in` not 0) and `x` is on a wgpu device whose limits the kernel fits
 /// (on Flex the extension is Burn's matmul and add); with Burn's matmul otherwise (`Auto` and
 /// `Timed` included: [`crate::model::linear_choice::LinearChoice`] picks for those).
+///
+/// `Coop` needs a device where [`coop_subgroup`] is `Some`: the limits Burn's client reports
+/// show the subgroup size and workgroup memory but not the cooperative-matrix feature, so
+/// elsewhere the shader fails to compile rather than falling back (the engine refuses `coop`
+/// on such a device when it opens).
 pub fn linear(
     x: Tensor<2>,
     weight_t: &Tensor<2>,
