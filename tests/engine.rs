@@ -14,6 +14,7 @@ use mmlora::engine::{
 };
 use mmlora::lora::ops::ShrinkKernel;
 use mmlora::model::gemm::{self, LinearKernel};
+use mmlora::preprocess::PreprocessConfig;
 
 const ADAPTERS: [&str; 4] = ["all-r4", "patterns", "rslora-r8", "tower-r2"];
 
@@ -638,6 +639,21 @@ fn options_that_cannot_work_are_refused() {
     ] {
         let error = Engine::open(&fixture_dir(), device::cpu(), options).unwrap_err();
         assert!(matches!(error, EngineError::Options(_)), "{error}");
+    }
+    // An image processor built in memory with settings it cannot run (min_pixels 0 would let a
+    // thin image round to no rows), around a model built in memory.
+    let model = Engine::open(&fixture_dir(), device::cpu(), EngineOptions::default())
+        .unwrap()
+        .model()
+        .clone();
+    let processor = PreprocessConfig {
+        min_pixels: 0,
+        ..PreprocessConfig::default()
+    };
+    match Engine::with_model(model, processor, device::cpu(), EngineOptions::default()) {
+        Err(EngineError::Options(reason)) => assert!(reason.contains("min_pixels"), "{reason}"),
+        Err(other) => panic!("{other}"),
+        Ok(_) => panic!("min_pixels 0 was accepted"),
     }
 }
 

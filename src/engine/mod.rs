@@ -956,8 +956,12 @@ fn panic_message(panic: &(dyn Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
-/// Whether the image processor cuts patches the way the model reads them.
+/// Whether the image processor's settings can run and cut patches the way the model reads
+/// them.
 fn check_consistent(preprocess: &PreprocessConfig, config: &VisionConfig) -> Result<(), String> {
+    if let Some((key, reason)) = preprocess.unusable_setting() {
+        return Err(format!("`{key}` {reason}"));
+    }
     let fields = [
         ("patch_size", preprocess.patch_size, config.patch_size),
         (

@@ -139,6 +139,14 @@ pub enum PreprocessError {
         /// Why.
         source: serde_json::Error,
     },
+    /// A processor configuration built in memory holds a value the processor cannot run.
+    #[error("image processor setting `{key}` {reason}")]
+    Unusable {
+        /// The setting.
+        key: &'static str,
+        /// Why.
+        reason: String,
+    },
     /// `preprocessor_config.json` holds a value the processor cannot run.
     #[error("{path}: `{key}` {reason}")]
     Setting {
@@ -188,7 +196,7 @@ impl PreprocessConfig {
                 source,
             })?;
         let config = Self::from_file(&file);
-        match config.problem(&file) {
+        match Self::file_problem(&file).or_else(|| config.unusable_setting()) {
             Some((key, reason)) => Err(PreprocessError::Setting { path, key, reason }),
             None => Ok(config),
         }
@@ -218,8 +226,9 @@ impl PreprocessConfig {
         }
     }
 
-    /// The first setting (key and why) that the processor cannot run, if any.
-    fn problem(&self, file: &ConfigFile) -> Option<(&'static str, String)> {
+    /// The first switch or `size` key of the file (key and why) that the processor cannot
+    /// run, if any.
+    fn file_problem(file: &ConfigFile) -> Option<(&'static str, String)> {
         let switches = [
             ("do_resize", file.do_resize),
             ("do_rescale", file.do_rescale),
@@ -258,6 +267,14 @@ impl PreprocessConfig {
                 return Some(("size", format!("has no {edge} (and there is no {pixels})")));
             }
         }
+        None
+    }
+
+    /// The first setting (key and why) whose value the processor cannot run, if any: sizes of
+    /// 0, a patch grid beyond [`MAX_FACTOR`] pixels a side or [`MAX_TEMPORAL_PATCH`] frames,
+    /// `min_pixels` above `max_pixels` or an image's limit, factors that are not positive
+    /// numbers.
+    pub fn unusable_setting(&self) -> Option<(&'static str, String)> {
         let sizes = [
             ("min_pixels", self.min_pixels),
             ("patch_size", self.patch_size),
@@ -267,6 +284,26 @@ impl PreprocessConfig {
         ];
         if let Some((key, _)) = sizes.iter().find(|(_, n)| *n == 0) {
             return Some((key, "is 0".to_owned()));
+        }
+        let factor = self.patch_size.saturating_mul(self.merge_size);
+        if factor > MAX_FACTOR {
+            return Some((
+                "patch_size",
+                format!(
+                    "{} × merge_size {} is above {MAX_FACTOR}, the widest patch grid cell the \
+                     processor takes",
+                    self.patch_size, self.merge_size
+                ),
+            ));
+        }
+        if self.temporal_patch_size > MAX_TEMPORAL_PATCH {
+            return Some((
+                "temporal_patch_size",
+                format!(
+                    "{} is above {MAX_TEMPORAL_PATCH}, the most frames a patch may repeat",
+                    self.temporal_patch_size
+                ),
+            ));
         }
         if self.min_pixels as u64 > MAX_DECODED_PIXELS {
             return Some((
@@ -336,6 +373,14 @@ pub fn grid_rows(grid_thw: &[usize; 3]) -> usize {
 
 /// The most pixels an image file may declare before it is decoded.
 pub const MAX_DECODED_PIXELS: u64 = 64 << 20;
+
+/// The widest `patch_size × merge_size` (pixels) a configuration may have: images are resized to
+/// multiples of it, so even the smallest is that large a side (Qwen2-VL's is 28, Qwen3-VL's 32).
+pub const MAX_FACTOR: usize = 1024;
+
+/// The largest `temporal_patch_size` a configuration may have: each image's patch values are
+/// repeated that many times (Qwen2-VL's is 2).
+pub const MAX_TEMPORAL_PATCH: usize = 16;
 
 /// Reads and decodes an image file (PNG, JPEG, WebP) to RGB as transformers does: grayscale is
 /// replicated and transparency is composited onto white.
@@ -556,6 +601,9 @@ pub fn smart_resize(
 
 /// Runs the processor on one image.
 pub fn preprocess(image: &RgbImage, config: &PreprocessConfig) -> Result<Patches, PreprocessError> {
+    if let Some((key, reason)) = config.unusable_setting() {
+        return Err(PreprocessError::Unusable { key, reason });
+    }
     let factor = config.patch_size * config.merge_size;
     let (height, width) = smart_resize(
         image.height() as usize,
@@ -946,6 +994,12 @@ mod tests {
             (r#"{"min_pixels": 0}"#, "min_pixels"),
             (r#"{"min_pixels": 4000, "max_pixels": 3000}"#, "min_pixels"),
             (r#"{"merge_size": 0}"#, "merge_size"),
+            (r#"{"patch_size": 100000}"#, "patch_size"),
+            (r#"{"patch_size": 9223372036854775807}"#, "patch_size"),
+            (
+                r#"{"temporal_patch_size": 1000000000}"#,
+                "temporal_patch_size",
+            ),
             (r#"{"image_std": [0.2, 0.0, 0.2]}"#, "image_std"),
         ] {
             match read(json) {
@@ -953,6 +1007,28 @@ mod tests {
                     assert_eq!(refused, key, "{json}")
                 }
                 other => panic!("{json}: {other:?}"),
+            }
+        }
+        // Built in memory, the same values are refused by preprocess itself, not a panic (a
+        // height of 10 rounds to 0 rows of 28 pixels, which min_pixels 0 would let through).
+        let thin = RgbImage::new(100, 10);
+        for config in [
+            PreprocessConfig {
+                min_pixels: 0,
+                ..PreprocessConfig::default()
+            },
+            PreprocessConfig {
+                patch_size: 0,
+                ..PreprocessConfig::default()
+            },
+            PreprocessConfig {
+                temporal_patch_size: 1 << 30,
+                ..PreprocessConfig::default()
+            },
+        ] {
+            match preprocess(&thin, &config) {
+                Err(PreprocessError::Unusable { .. }) => {}
+                other => panic!("{config:?}: {other:?}"),
             }
         }
         // What transformers reads: top-level min/max over `size`, which then may lack them.
