@@ -148,4 +148,30 @@ mod tests {
             })
         );
     }
+
+    /// `jpegtran -arithmetic` of the bundled JPEGs (baseline and progressive): the same DCT
+    /// coefficients, entropy-coded arithmetically, so the same pixels exactly.
+    #[test]
+    fn arithmetic_coded_files_decode_to_the_same_pixels() {
+        let root = env!("CARGO_MANIFEST_DIR");
+        for (huffman, arithmetic) in [
+            (
+                "assets/tiny-qwen2-vl/images/wide.jpg",
+                "tests/data/wide-arithmetic.jpg",
+            ),
+            (
+                "assets/tiny-qwen2-vl/images/progressive.jpg",
+                "tests/data/progressive-arithmetic.jpg",
+            ),
+        ] {
+            let decode = |file: &str| {
+                let bytes = std::fs::read(format!("{root}/{file}")).unwrap();
+                decode_rgb(&bytes, 1 << 20).unwrap_or_else(|e| panic!("{file}: {e:?}"))
+            };
+            assert!(
+                decode(huffman) == decode(arithmetic),
+                "{arithmetic} differs"
+            );
+        }
+    }
 }
