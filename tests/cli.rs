@@ -577,6 +577,27 @@ fn bench_counts_out_of_range_are_refused_by_flag_before_any_work() {
             "{stderr}"
         );
     }
+    // Counts within range each, too many tower rows together (1024 images resized to 980²
+    // are 5 million rows, 23 GB of patches): refused before the patches are made.
+    for scale in [&[][..], &["--scale", "--scale-images", "1024"]] {
+        let images = if scale.is_empty() {
+            &["--images", "1024"][..]
+        } else {
+            &[]
+        };
+        let args = [
+            &[
+                "bench", "--preset", "tiny", "--device", "cpu", "--side", "8192",
+            ][..],
+            images,
+            scale,
+        ]
+        .concat();
+        let out = mmlora(&args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        let stderr = text(&out.stderr);
+        assert!(stderr.contains("tower rows, above"), "{args:?}: {stderr}");
+    }
 }
 
 #[test]

@@ -141,7 +141,7 @@ impl BenchSpec {
             )));
         }
         Ok(Self {
-            side: resized_side(self.side)?,
+            side: resized_side(self.side, self.images)?,
             adapters,
             ranks: ascending(&self.ranks),
             ..self.clone()
@@ -319,8 +319,14 @@ pub fn run(
         .collect())
 }
 
-/// The side the image processor resizes a square image of `side` pixels to.
-fn resized_side(side: usize) -> Result<usize, EngineError> {
+/// The most tower rows a benchmark batch may hold: 256 images of 448² (the H200 scale sweep
+/// runs 64). The patches alone are 1.2 GB; beyond, a batch would exhaust the host's memory
+/// before it ran.
+pub const MAX_BATCH_ROWS: usize = 1 << 18;
+
+/// The side the image processor resizes a square image of `side` pixels to, where a batch of
+/// `images` of them fits [`MAX_BATCH_ROWS`].
+fn resized_side(side: usize, images: usize) -> Result<usize, EngineError> {
     let preprocess = PreprocessConfig::default();
     let factor = preprocess.patch_size * preprocess.merge_size;
     let (height, _) = smart_resize(
@@ -331,6 +337,13 @@ fn resized_side(side: usize) -> Result<usize, EngineError> {
         preprocess.max_pixels,
     )
     .map_err(|e| EngineError::Options(format!("image side {side}: {e}")))?;
+    let rows = images.saturating_mul((height / preprocess.patch_size).pow(2));
+    if rows > MAX_BATCH_ROWS {
+        return Err(EngineError::Options(format!(
+            "{images} images of {side}² (resized to {height}²) are {rows} tower rows, above the \
+             {MAX_BATCH_ROWS} a benchmark batch may hold"
+        )));
+    }
     Ok(height)
 }
 

@@ -118,14 +118,16 @@ pub fn run(
     device: &RuntimeDevice,
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<ScaleRecord>, EngineError> {
+    let most_images = (spec.images.iter().copied().chain([spec.adapter_images]))
+        .max()
+        .unwrap_or(1);
     let spec = &ScaleSpec {
-        side: resized_side(spec.side)?,
+        side: resized_side(spec.side, most_images)?,
         ..spec.clone()
     };
     let config = spec.preset.config();
     let model = Qwen2VlVision::random(config.clone(), &device.device);
-    let most_images = spec.images.iter().copied().chain([spec.adapter_images]);
-    let requests = random_images(most_images.max().unwrap_or(1), spec.side, &config);
+    let requests = random_images(most_images, spec.side, &config);
     let sweep = Sweep {
         spec,
         device,
