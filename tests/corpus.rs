@@ -238,6 +238,17 @@ fn cases() -> Vec<Case> {
             |d| model(d, |m| std::fs::remove_file(m.join(MERGER_SHARD)).unwrap()),
         ),
         case(
+            "shard that is a folder",
+            Model,
+            &[MERGER_SHARD, "it is a folder"],
+            |d| {
+                model(d, |m| {
+                    std::fs::remove_file(m.join(MERGER_SHARD)).unwrap();
+                    std::fs::create_dir(m.join(MERGER_SHARD)).unwrap();
+                })
+            },
+        ),
+        case(
             "truncated shard",
             Model,
             &[BLOCKS_SHARD, "not a valid checkpoint"],

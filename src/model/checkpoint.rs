@@ -146,16 +146,21 @@ impl Checkpoint {
 
     fn map(&mut self, path: &Path) -> Result<SafeTensors<'_>, CheckpointError> {
         if !self.maps.contains_key(path) {
-            let file = File::open(path).map_err(|source| CheckpointError::Io {
+            let io_error = |source| CheckpointError::Io {
                 path: path.to_owned(),
                 source,
-            })?;
+            };
+            let file = File::open(path).map_err(io_error)?;
+            // A folder opens, and mapping it would fail as "no such device".
+            if file.metadata().map_err(io_error)?.is_dir() {
+                return Err(io_error(std::io::Error::new(
+                    std::io::ErrorKind::IsADirectory,
+                    "it is a folder",
+                )));
+            }
             // Safety: the file is only read; a checkpoint changing under a running process is
             // outside what any loader can defend against.
-            let map = unsafe { Mmap::map(&file) }.map_err(|source| CheckpointError::Io {
-                path: path.to_owned(),
-                source,
-            })?;
+            let map = unsafe { Mmap::map(&file) }.map_err(io_error)?;
             self.maps.insert(path.to_owned(), map);
         }
         SafeTensors::deserialize(&self.maps[path]).map_err(|e| CheckpointError::Format {
