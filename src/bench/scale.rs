@@ -112,11 +112,13 @@ pub struct ScaleRecord {
     pub device_reserved_mib: Option<f64>,
 }
 
-/// Runs the two sweeps of `spec` on `device`, telling `progress` what it is doing.
+/// Runs the two sweeps of `spec` on `device`, telling `progress` what it is doing and `done` each
+/// record as soon as its configuration is timed (a run stopped midway keeps those).
 pub fn run(
     spec: &ScaleSpec,
     device: &RuntimeDevice,
     mut progress: impl FnMut(&str),
+    mut done: impl FnMut(&ScaleRecord),
 ) -> Result<Vec<ScaleRecord>, EngineError> {
     let most_images = (spec.images.iter().copied().chain([spec.adapter_images]))
         .max()
@@ -140,18 +142,31 @@ pub fn run(
         requests: &requests,
     };
 
+    let mut groups: Vec<Vec<Configuration>> = spec
+        .images
+        .iter()
+        .map(|&images| {
+            let mixed = spec.mixed.min(images);
+            vec![
+                Configuration::new("images", images, 0, 1),
+                Configuration::new("images", images, mixed, mixed),
+            ]
+        })
+        .collect();
+    groups.extend(spec.adapters.iter().map(|&adapters| {
+        vec![Configuration::new(
+            "adapters",
+            spec.adapter_images,
+            adapters,
+            spec.slots,
+        )]
+    }));
     let mut records = Vec::new();
-    for &images in &spec.images {
-        let mixed = spec.mixed.min(images);
-        let pair = [
-            Configuration::new("images", images, 0, 1),
-            Configuration::new("images", images, mixed, mixed),
-        ];
-        records.extend(sweep.in_turns(&pair, &mut progress)?);
-    }
-    for &adapters in &spec.adapters {
-        let one = Configuration::new("adapters", spec.adapter_images, adapters, spec.slots);
-        records.extend(sweep.in_turns(&[one], &mut progress)?);
+    for group in &groups {
+        for record in sweep.in_turns(group, &mut progress)? {
+            done(&record);
+            records.push(record);
+        }
     }
     Ok(records)
 }
@@ -339,7 +354,7 @@ mod tests {
             linear_kernel: LinearKernel::Auto,
             lora_shrink: ShrinkKernel::Auto,
         };
-        let records = run(&spec, &crate::device::cpu(), |_| ()).unwrap();
+        let records = run(&spec, &crate::device::cpu(), |_| (), |_| ()).unwrap();
         let seen: Vec<_> = records
             .iter()
             .map(|r| {

@@ -187,41 +187,16 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
     let records = bench::run(&spec, &runtime, |configuration| {
         eprintln!("{configuration}…");
     })?;
-    let mixed = spec.adapters.iter().copied().max().unwrap_or(1);
-    let op_rows = match (args.no_op, args.op_rows) {
-        (true, _) => vec![],
-        (false, Some(rows)) => rows,
-        (false, None) if software_gpu => bench::SOFTWARE_GPU_OP_ROWS.to_vec(),
-        (false, None) => bench::OP_ROWS.to_vec(),
-    };
-    let mut ops = Vec::new();
-    for &rank in &spec.ranks {
-        for &rows in &op_rows {
-            eprintln!("the LoRA op alone: {rows} rows, rank {rank}, {mixed} adapters…");
-            let shape = OpShape {
-                precision: spec.precision,
-                linear_kernel: spec.linear_kernel,
-                lora_shrink: spec.lora_shrink,
-                ..OpShape::qkv(&spec.preset.config(), rows, rank, mixed)
-            };
-            ops.push(bench::op::run(shape, &runtime, spec.repeats));
-        }
-    }
-    // The plot first: a reader that stops reading the lines early (`| head`) ends the
-    // process on its next line.
+    // The plot and the lines first, then the op runs' lines one by one: a run stopped midway
+    // keeps what it printed; a reader that stops reading early (`| head`) ends the process on
+    // its next line.
     if let Some(path) = &args.plot {
         bench::plot::throughput_png(&records, path)?;
         eprintln!("plot: {}", path.display());
     }
     if args.json {
         for record in &records {
-            println!(
-                "{}",
-                serde_json::to_string(record).expect("records serialise")
-            );
-        }
-        for op in &ops {
-            println!("{}", serde_json::to_string(op).expect("records serialise"));
+            println!("{}", json_line(record));
         }
     } else {
         println!(
@@ -240,15 +215,36 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                 r.ratio_vs_base
             );
         }
-        if !ops.is_empty() {
-            println!(
-                "\nLoRA op alone at attn.qkv ({mixed} adapters mixed): median ms, and what it adds to the base linear"
-            );
-            println!(
-                "{:>6} {:>5} {:>10} {:>10} {:>10} {:>9} {:>9}",
-                "rows", "rank", "base", "+op", "+naive", "op", "naive"
-            );
-            for op in &ops {
+    }
+    let mixed = spec.adapters.iter().copied().max().unwrap_or(1);
+    let op_rows = match (args.no_op, args.op_rows) {
+        (true, _) => vec![],
+        (false, Some(rows)) => rows,
+        (false, None) if software_gpu => bench::SOFTWARE_GPU_OP_ROWS.to_vec(),
+        (false, None) => bench::OP_ROWS.to_vec(),
+    };
+    if !args.json && !op_rows.is_empty() {
+        println!(
+            "\nLoRA op alone at attn.qkv ({mixed} adapters mixed): median ms, and what it adds to the base linear"
+        );
+        println!(
+            "{:>6} {:>5} {:>10} {:>10} {:>10} {:>9} {:>9}",
+            "rows", "rank", "base", "+op", "+naive", "op", "naive"
+        );
+    }
+    for &rank in &spec.ranks {
+        for &rows in &op_rows {
+            eprintln!("the LoRA op alone: {rows} rows, rank {rank}, {mixed} adapters…");
+            let shape = OpShape {
+                precision: spec.precision,
+                linear_kernel: spec.linear_kernel,
+                lora_shrink: spec.lora_shrink,
+                ..OpShape::qkv(&spec.preset.config(), rows, rank, mixed)
+            };
+            let op = bench::op::run(shape, &runtime, spec.repeats);
+            if args.json {
+                println!("{}", json_line(&op));
+            } else {
                 println!(
                     "{:>6} {:>5} {:>10.2} {:>10.2} {:>10.2} {:>+8.1}% {:>+8.1}%",
                     op.rows,
@@ -265,15 +261,17 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// One record as a line of JSON.
+fn json_line(record: &impl serde::Serialize) -> String {
+    serde_json::to_string(record).expect("records serialise")
+}
+
 /// Runs `mmlora bench --stages`.
 fn run_stages(spec: &BenchSpec, runtime: &RuntimeDevice, json: bool) -> Result<(), CliError> {
     let profiles = stages::run(spec, runtime, |step| eprintln!("{step}…"))?;
     for profile in &profiles {
         if json {
-            println!(
-                "{}",
-                serde_json::to_string(profile).expect("records serialise")
-            );
+            println!("{}", json_line(profile));
             continue;
         }
         println!(
@@ -322,16 +320,18 @@ fn run_scale(args: BenchArgs, runtime: &RuntimeDevice) -> Result<(), CliError> {
         linear_kernel: args.linear_kernel,
         lora_shrink: args.lora_shrink,
     };
-    let records = scale::run(&spec, runtime, |configuration| {
-        eprintln!("{configuration}…");
-    })?;
+    // JSON lines as each configuration is timed; the table once all are.
+    let records = scale::run(
+        &spec,
+        runtime,
+        |configuration| eprintln!("{configuration}…"),
+        |record| {
+            if args.json {
+                println!("{}", json_line(record));
+            }
+        },
+    )?;
     if args.json {
-        for record in &records {
-            println!(
-                "{}",
-                serde_json::to_string(record).expect("records serialise")
-            );
-        }
         return Ok(());
     }
     let mib = |value: Option<f64>| value.map_or("-".to_owned(), |v| format!("{v:.0}"));
