@@ -56,6 +56,8 @@ while IFS='=' read -r name path; do
 done < /tmp/h200-binaries.txt
 tar -C /tmp/h200-bin -cf - . | xz -T1 --lzma2=preset=9,dict=512MiB > .device/binaries.tar.xz
 rm -rf /tmp/h200-bin
+# Which commit the binaries are of (run.sh prints it; `-dirty`: with uncommitted changes).
+echo "$(git describe --always --dirty) packed $(date -u +%FT%TZ)" > .device/commit
 # The working tree travels too; all of it must stay under the device tool's 64 MiB.
 carried=$(( $(git ls-files -z | xargs -0 cat | wc -c) + $(cat .device/* .gl/* | wc -c) ))
 echo "carried: $(( carried / 1024 / 1024 )) MiB of 64"

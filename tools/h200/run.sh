@@ -1,23 +1,28 @@
 #!/usr/bin/env bash
-# The H200 check, in one device call, after `bash tools/h200/prepare.sh` here:
-#   run(command="bash tools/h200/run.sh", carry=[".gl", ".device"], timeout_s=540)
+# The H200 check, in one device call, right after `bash tools/h200/prepare.sh` here (it packs the
+# binaries of the commit checked out; this script prints which):
+#   run(command="bash tools/h200/run.sh", carry=[".gl", ".device"], timeout_s=480)
+# That leaves a few minutes of the session's 15 for one more call on the still-warm machine.
 # Rehearse it here first, on lavapipe with the tiny preset (the same unpacking, steps and flags,
 # small shapes, each step's limit four times as long, no cooperative matrices: the coop steps fail
 # there):
-#   OUT=/tmp/rehearsal bash tools/h200/run.sh --rehearse
+#   OUT=/tmp/rehearsal MMLORA_RUN_BUDGET_S=3000 bash tools/h200/run.sh --rehearse
 #
 # The device call is killed at its limit, so every step runs under one budget
-# ($MMLORA_RUN_BUDGET_S, 480 s from the start of this script): a step gets the smaller of its own
+# ($MMLORA_RUN_BUDGET_S, 420 s from the start of this script): a step gets the smaller of its own
 # limit and what is left of the budget, and a step with under 15 s left is skipped. The steps
-# run most-wanted first: the issue's numbers before the longer checks. Each step writes its
-# standard output to $OUT/NAME.out (JSON lines for the benches) and its log to $OUT/NAME.log;
-# $OUT/steps.tsv has each step's exit status and seconds, to plan the next run with.
+# run most-wanted first: the issue's numbers, then the checks on a real driver. Each step's
+# standard output (JSON lines for the benches) and log go into $OUT/results.tar as NAME.out and
+# NAME.log as soon as it ends (the device tool returns at most 8 files); $OUT/steps.tsv has each
+# step's exit status and seconds, to plan the next run with. The benches print each line as soon
+# as it is measured, so a step stopped at its limit keeps what it had.
 set -uo pipefail
 rehearse=false
 [[ ${1:-} == --rehearse ]] && rehearse=true
 OUT=${OUT:?OUT names the folder for the results}
 mkdir -p "$OUT"
-deadline=$(( $(date +%s) + ${MMLORA_RUN_BUDGET_S:-480} ))
+rm -f "$OUT/results.tar"
+deadline=$(( $(date +%s) + ${MMLORA_RUN_BUDGET_S:-420} ))
 
 export XDG_RUNTIME_DIR=/tmp CI=true WGPU_BACKEND=vulkan
 if $rehearse; then
@@ -38,7 +43,9 @@ else
     slower=1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 fi
+echo "binaries of: $(cat .device/commit 2>/dev/null || echo 'an unknown commit')"
 bin=$(mktemp -d)
+work=$(mktemp -d)
 python3 - "$bin" <<'PY'
 import sys, tarfile
 with tarfile.open(".device/binaries.tar.xz", "r:xz") as packed:
@@ -58,31 +65,43 @@ step() {
     (( limit > left )) && limit=$left
     echo "== $name (at most $limit s)"
     start=$(date +%s)
-    timeout -k 5 "$limit" "$@" > "$OUT/$name.out" 2> "$OUT/$name.log"
+    timeout -k 5 "$limit" "$@" > "$work/$name.out" 2> "$work/$name.log"
     rc=$?
     echo "== $name: exit $rc after $(( $(date +%s) - start )) s"
     printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - start ))" >> "$OUT/steps.tsv"
+    # Into the archive at once (with anything else the step wrote, such as the plot).
+    (cd "$work" && tar -rf "$OUT/results.tar" -- * && rm -f -- *)
 }
 # The bench on the GPU at the issue's 8 images of 448² (tiny ones in a rehearsal).
 bench=("$bin/mmlora" bench --device gpu --json --images 8 "${shape[@]}")
 : > "$OUT/steps.tsv"
 
 step devices 30 "$bin/mmlora" devices
-# The op against the native path on a real Vulkan driver, every shader and edge case.
-step op-tests 120 "$bin/lib" lora::ops
-# The issue's numbers: 8 images, 1-8 mixed adapters at ranks 16 and 64, against the base; the
+# The issue's numbers: 8 images, 1-8 mixed adapters at ranks 8, 16 and 64, against the base; the
 # op alone at 256, 4096 and 8192 rows against the base linear; Burn's matmul for the linears.
-step bench 180 "${bench[@]}" --adapters 1,2,4,8 --ranks 16,64 --op-rows 256,4096,8192 \
-    --linear-kernel burn --plot "$OUT/bench.png"
+step bench 180 "${bench[@]}" --adapters 1,2,4,8 --ranks 8,16,64 --op-rows 256,4096,8192 \
+    --linear-kernel burn --plot "$work/bench.png"
+step bench-f16 120 "${bench[@]}" --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 \
+    --linear-kernel burn
 # The fastest linear kernel per shape (auto times Burn's and our tiled one, each checked against
 # Burn's first, its picks logged at info), and the base with each kernel alone beside it.
 step linear-kernels 90 env RUST_LOG=mmlora=info \
     "${bench[@]}" --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto
-step bench-f16 120 "${bench[@]}" --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 \
-    --linear-kernel burn
+# How time and memory grow with images per batch and adapters loaded past 16 slots.
+step scale 150 "$bin/mmlora" bench --device gpu --json --scale "${shape[@]}" \
+    --scale-images 1,4,16,64 --scale-adapters 1,16,64 --linear-kernel burn
 # The f16 linears on cooperative matrices (the tensor cores), never run before on hardware.
 step coop-f16 90 "${bench[@]}" --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 \
     --linear-kernel coop
+# Where the time goes: each stage clocked (products in TFLOP/s, against the fp32 ALU peak of ~67
+# and cuBLAS's 50.3), with auto's linears.
+step stages 90 env RUST_LOG=mmlora=info \
+    "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto
+# 16 distinct adapters need 16 images (each image carries one).
+step bench-16 90 "$bin/mmlora" bench --device gpu --json --images 16 "${shape[@]}" \
+    --adapters 16 --ranks 16 --no-op --linear-kernel burn
+# The op against the native path on a real Vulkan driver, every shader and edge case.
+step op-tests 120 "$bin/lib" lora::ops
 # The linear kernels against float64, each coop product 50 times with every output checked, so
 # that a slice read from workgroup memory before its stores reach it (naga writes no
 # availability or visibility for them: wgpu issue #8805) would show. MMLORA_EXPECT_COOP=1
@@ -91,10 +110,6 @@ step linear-tests 120 env MMLORA_EXPECT_COOP=$expect_coop MMLORA_COOP_REPEATS=50
     "$bin/lib" model::gemm --nocapture
 step linear-kernels-f16 90 env RUST_LOG=mmlora=info \
     "${bench[@]}" --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto --precision f16
-# Where the time goes: each stage clocked (products in TFLOP/s, against the fp32 ALU peak of ~67
-# and cuBLAS's 50.3), with auto's linears.
-step stages 90 env RUST_LOG=mmlora=info \
-    "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto
 step stages-f16 90 env RUST_LOG=mmlora=info \
     "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto --precision f16
 # The engine against transformers + PEFT, isolation and the rest, on a real driver.
@@ -108,8 +123,6 @@ step linears-alone 100 env MMLORA_BENCH_ROWS=$linear_rows "$bin/linear_bench" --
 # The op with the shrink shader built for software GPUs (compare with the bench step's op lines).
 step shrink-registers 60 "${bench[@]}" --adapters 8 --ranks 16,64 --op-rows 256,4096 \
     --linear-kernel burn --lora-shrink registers
-step scale 150 "$bin/mmlora" bench --device gpu --json --scale "${shape[@]}" \
-    --scale-images 1,4,16,64 --scale-adapters 1,16,64 --linear-kernel burn
 step soak 120 env MMLORA_SOAK_BATCHES=200 "$bin/soak" on_wgpu --nocapture
 step device-faults 120 "$bin/device_faults"
 # The fixture batch on NVIDIA's OpenGL ES (EGL) too; last and on a short clock, since wgpu's GL
@@ -117,5 +130,9 @@ step device-faults 120 "$bin/device_faults"
 step engine-on-gl 60 env MMLORA_GRAPHICS_APIS=vulkan,gl "$bin/engine" every_other_graphics_api \
     --nocapture
 
-column -t "$OUT/steps.tsv"
-tail -n 40 "$OUT"/*.out
+# The gist on standard output too, should the files not come back.
+cat "$OUT/steps.tsv"
+for name in bench bench-f16 linear-kernels scale coop-f16 bench-16; do
+    echo "== $name.out"
+    tar -xOf "$OUT/results.tar" "$name.out" 2>/dev/null | cut -c1-300
+done
