@@ -102,7 +102,11 @@ fn a_step_over_the_device_buffer_limit_fails_alone() {
             ..EngineOptions::default()
         };
         let mut engine = engine(blind, options);
+        engine
+            .load_adapter("tower-r2", &fixture_dir().join("adapters/tower-r2"))
+            .unwrap();
         let before = embeds(&mut engine);
+        let slotted = engine.slotted();
         // Images of 2×128 patches, enough of them that the step's patches alone exceed the
         // limit.
         let (rows, patch_len) = (256, 1176);
@@ -114,9 +118,10 @@ fn a_step_over_the_device_buffer_limit_fails_alone() {
                     pixel_values: vec![0.5; rows * patch_len],
                     grid_thw: [1, 2, 128],
                 }),
-                // With an adapter, so the failed step's LoRA kernels are refused too: the
-                // weights they were only to read (the model's, the adapter's) must stay usable.
-                adapter: Some("all-r4".to_owned()),
+                // With an adapter not in the slots yet, so the failed step's LoRA kernels are
+                // refused too: the weights they were only to read (the model's, the adapters')
+                // must stay usable, and the slots go back to what they held.
+                adapter: Some("tower-r2".to_owned()),
             })
             .collect();
         let error = engine.encode(&requests, false).unwrap_err();
@@ -125,6 +130,7 @@ fn a_step_over_the_device_buffer_limit_fails_alone() {
             matches!(error, EngineError::Execution(_)),
             "{kernel}: {error}"
         );
+        assert_eq!(engine.slotted(), slotted, "{kernel} linears");
         assert_eq!(embeds(&mut engine), before, "{kernel} linears");
     }
 }

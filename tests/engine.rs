@@ -640,6 +640,31 @@ fn options_that_cannot_work_are_refused() {
         let error = Engine::open(&fixture_dir(), device::cpu(), options).unwrap_err();
         assert!(matches!(error, EngineError::Options(_)), "{error}");
     }
+    // Slots and ranks whose stacked weights would not fit one buffer of the device: 64 slots
+    // of rank 64 are 1.5 MiB at attn.qkv (96 outputs), 2 MiB at the MLP (128).
+    let small = RuntimeDevice {
+        buffer_limit: Some(1 << 20),
+        ..device::cpu()
+    };
+    let options = EngineOptions {
+        max_loras: 64,
+        max_rank: 64,
+        max_cpu_adapters: 64,
+        ..EngineOptions::default()
+    };
+    match Engine::open(&fixture_dir(), small.clone(), options) {
+        Err(EngineError::Options(reason)) => assert!(
+            reason.contains("1.5 MiB of LoRA weights for `blocks.0.attn.qkv`"),
+            "{reason}"
+        ),
+        Err(other) => panic!("{other}"),
+        Ok(_) => panic!("stacks of 2 MiB were accepted under a 1 MiB limit"),
+    }
+    let options = EngineOptions {
+        max_rank: 32,
+        ..options
+    };
+    Engine::open(&fixture_dir(), small, options).unwrap();
     // An image processor built in memory with settings it cannot run (min_pixels 0 would let a
     // thin image round to no rows), around a model built in memory.
     let model = Engine::open(&fixture_dir(), device::cpu(), EngineOptions::default())

@@ -17,8 +17,17 @@ use mmlora::model::qwen2_vl::Qwen2VlVision;
 /// The tiny model's widest row: one patch of 3 × 2 × 14 × 14 values, 4 bytes each.
 const TINY_ROW_BYTES: u64 = 1176 * 4;
 
+/// Options whose stacked LoRA weights fit the small limits below: the fixture adapters' ranks
+/// are at most 8.
+fn options() -> EngineOptions {
+    EngineOptions {
+        max_rank: 8,
+        ..EngineOptions::default()
+    }
+}
+
 fn encode(on: &RuntimeDevice) -> (Engine, Vec<Encoded>) {
-    let mut engine = Engine::open(&fixture_dir(), on.clone(), EngineOptions::default()).unwrap();
+    let mut engine = Engine::open(&fixture_dir(), on.clone(), options()).unwrap();
     for name in ["all-r4", "patterns", "rslora-r8", "tower-r2"] {
         engine
             .load_adapter(name, &fixture_dir().join("adapters").join(name))
@@ -108,7 +117,7 @@ fn an_image_larger_than_a_step_is_refused_by_name_and_the_engine_keeps_serving()
         buffer_limit: Some(20 * TINY_ROW_BYTES),
         ..device::cpu()
     };
-    let mut engine = Engine::open(&fixture_dir(), limited, EngineOptions::default()).unwrap();
+    let mut engine = Engine::open(&fixture_dir(), limited, options()).unwrap();
     let large = Request {
         id: "large".to_owned(),
         image: ImageSource::File(fixture_dir().join("images/wide.jpg")),

@@ -31,8 +31,8 @@ use crate::device::{Precision, RuntimeDevice};
 use crate::lora::meta::{KernelMeta, MetaError, SlotTable};
 use crate::lora::ops::{LoraBatch, MAX_RANK, ShrinkKernel};
 use crate::mapping::{
-    AdapterRequest, EncoderCache, LoraState, MappingError, MmFeature, Modality, PlaceholderRange,
-    SpatialMergeCounts, set_active_mm_loras,
+    AdapterRequest, EncoderCache, LoraState, MappingError, MmFeature, MmLoraActivation, Modality,
+    PlaceholderRange, SpatialMergeCounts, set_active_mm_loras,
 };
 use crate::model::gemm::{self, LinearKernel};
 use crate::model::linear_choice::LinearChoice;
@@ -124,7 +124,8 @@ pub struct Encoded {
     pub tower: Option<HostTensor>,
     /// The scheduler step (0-based) the request ran in.
     pub step: usize,
-    /// How long that step took on the device (upload, tower, connector, read-back).
+    /// How long that step took: its adapters restacked into the GPU slots where they changed,
+    /// upload, tower, connector, read-back.
     pub step_time: Duration,
 }
 
@@ -327,6 +328,7 @@ impl Engine {
         check_options(&options, &device)?;
         check_consistent(&preprocess, model.config())
             .map_err(|reason| EngineError::Options(format!("the image processor: {reason}")))?;
+        check_stacks_fit(&model, &options, &device)?;
         if let Some(limit) = device.buffer_limit {
             model.set_buffer_limit(limit.min(model.buffer_limit()));
         }
@@ -614,18 +616,6 @@ impl Engine {
             &scheduled,
         )?
         .expect("a step schedules at least one image");
-        let activated =
-            self.activate(&activation.adapters.iter().map(|a| a.id).collect::<Vec<_>>());
-        self.classify(activated)?;
-        let tower_meta = KernelMeta::from_mapping(&activation.tower, &self.slots)?;
-        let connector_meta = KernelMeta::from_mapping(
-            activation
-                .connector
-                .as_ref()
-                .expect("the spatial merger is a connector"),
-            &self.slots,
-        )?;
-
         let started = Instant::now();
         let grids: Vec<[usize; 3]> = members.iter().map(|&i| patches[i].grid_thw).collect();
         let pixels: Vec<f32> = members
@@ -633,9 +623,22 @@ impl Engine {
             .flat_map(|&i| patches[i].pixel_values.iter().copied())
             .collect();
         let rows = pixels.len() / self.model.config().patch_len();
-        let outcome =
-            guarded(|| self.forward_step(pixels, &grids, tower_meta, connector_meta, with_tower));
-        let (embeds, tower) = self.classify(outcome)?;
+        // A step that fails on the device gives its slots back as they were, so that the next
+        // call does not stack this step's adapters again (and fail the same way).
+        let before = (
+            self.slots.clone(),
+            self.slot_used.clone(),
+            self.stacked.clone(),
+        );
+        let ran = self.run_on_slots(&activation, pixels, &grids, with_tower);
+        if ran.is_err() {
+            let (slots, slot_used, stacked) = before;
+            if self.stacked != stacked {
+                self.stacked = None; // the model holds this step's stacks, or half of them
+            }
+            (self.slots, self.slot_used) = (slots, slot_used);
+        }
+        let (embeds, tower) = ran?;
         let step_time = started.elapsed();
         tracing::debug!(
             step,
@@ -681,6 +684,30 @@ impl Engine {
                 })
             })
             .collect()
+    }
+
+    /// Puts the step's adapters in GPU slots and runs it ([`Self::forward_step`]).
+    fn run_on_slots(
+        &mut self,
+        activation: &MmLoraActivation,
+        pixels: Vec<f32>,
+        grids: &[[usize; 3]],
+        with_tower: bool,
+    ) -> Result<(HostTensor, Option<HostTensor>), EngineError> {
+        let activated =
+            self.activate(&activation.adapters.iter().map(|a| a.id).collect::<Vec<_>>());
+        self.classify(activated)?;
+        let tower_meta = KernelMeta::from_mapping(&activation.tower, &self.slots)?;
+        let connector_meta = KernelMeta::from_mapping(
+            activation
+                .connector
+                .as_ref()
+                .expect("the spatial merger is a connector"),
+            &self.slots,
+        )?;
+        let outcome =
+            guarded(|| self.forward_step(pixels, grids, tower_meta, connector_meta, with_tower));
+        self.classify(outcome)
     }
 
     /// Uploads a step's patches, runs tower and connector, and reads the results back.
@@ -830,8 +857,14 @@ impl Engine {
                 .iter()
                 .map(|id| id.and_then(|id| self.registry.get(id).cloned()))
                 .collect();
+            // Stacks as deep as the last slot taken: slots fill from the first, so a few
+            // adapters in many slots stack a few (the op checks each row's slot against it).
+            let taken = adapters
+                .iter()
+                .rposition(Option::is_some)
+                .map_or(0, |s| s + 1);
             let slotted: Vec<Option<&PeftAdapter>> =
-                adapters.iter().map(|a| a.as_deref()).collect();
+                adapters[..taken].iter().map(|a| a.as_deref()).collect();
             self.stacked = None;
             guarded(|| {
                 install(&mut self.model, &slotted, &self.device.device);
@@ -954,6 +987,41 @@ fn panic_message(panic: &(dyn Any + Send)) -> String {
         .map(|s| (*s).to_owned())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic without a message".to_owned())
+}
+
+/// Refuses `max_loras` and `max_rank` whose stacked LoRA weights for some layer (A or B of every
+/// slot at the largest rank, `[max_loras, max_rank, in]` or `[max_loras, out, max_rank]`) would
+/// not fit one buffer of the device: whatever adapters then fill the slots, their stacks bind.
+/// vLLM likewise allocates `max_loras × max_lora_rank` at start.
+fn check_stacks_fit(
+    model: &Qwen2VlVision,
+    options: &EngineOptions,
+    device: &RuntimeDevice,
+) -> Result<(), EngineError> {
+    let Some(limit) = device.buffer_limit else {
+        return Ok(());
+    };
+    let value_bytes = options.precision.dtype().size() as u64;
+    let stack = |width: usize| {
+        (options.max_loras as u64) * (options.max_rank as u64) * (width as u64) * value_bytes
+    };
+    match model
+        .lora_targets()
+        .into_iter()
+        .map(|t| (stack(t.in_features.max(t.out_features)), t.path))
+        .find(|&(bytes, _)| bytes > limit)
+    {
+        Some((bytes, path)) => Err(EngineError::Options(format!(
+            "max_loras {} × max_rank {} stack {:.1} MiB of LoRA weights for `{path}`, above the \
+             {:.1} MiB {} binds in one buffer; lower max_loras or max_rank",
+            options.max_loras,
+            options.max_rank,
+            bytes as f64 / f64::from(1 << 20),
+            limit as f64 / f64::from(1 << 20),
+            device.description
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Whether the image processor's settings can run and cut patches the way the model reads
