@@ -80,3 +80,29 @@ fn the_fixture_adapters_move_the_output() {
     let norm: f64 = without.iter().map(|b| f64::from(*b).powi(2)).sum();
     assert!((moved / norm).sqrt() > 0.1);
 }
+
+/// Inputs the model cannot run are errors, not panics: no image at all, a grid without patches
+/// (whose other sides may be anything), pixel values of another shape.
+#[test]
+fn forward_refuses_inputs_without_patches() {
+    let cpu = device::cpu();
+    let model = Qwen2VlVision::load(&fixture_dir(), &cpu.device).unwrap();
+    let patch_len = model.config().patch_len();
+    let pixels = |rows: usize| Tensor::<2>::zeros([rows, patch_len], &cpu.device);
+    for (grids, rows) in [
+        (vec![], 0),
+        (vec![[0, 1 << 33, 1 << 33]], 0),
+        (vec![[1, 2, 2], [1, 0, 2]], 4),
+        (vec![[1, 2, 2]], 5),
+    ] {
+        match model.forward(
+            pixels(rows),
+            &grids,
+            &no_lora(rows, &cpu),
+            &no_lora(rows / 4, &cpu),
+        ) {
+            Err(error) => assert!(!error.to_string().is_empty()),
+            Ok(_) => panic!("{grids:?} with {rows} rows ran"),
+        }
+    }
+}

@@ -372,6 +372,14 @@ impl Qwen2VlVision {
         connector: &LoraBatch,
     ) -> Result<VisionOutput, ModelError> {
         let [rows, len] = pixel_values.dims();
+        if grids.is_empty() {
+            return Err(ModelError::Input(
+                "no image: the grids are empty".to_owned(),
+            ));
+        }
+        if let Some(g) = grids.iter().find(|g| g.contains(&0)) {
+            return Err(ModelError::Input(format!("grid {g:?} has no patches")));
+        }
         let expected_rows = grids
             .iter()
             .fold(0usize, |rows, grid| rows.saturating_add(grid_rows(grid)));
