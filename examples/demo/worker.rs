@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use mmlora::adapters::PeftAdapter;
 use mmlora::device::{self, RuntimeDevice};
-use mmlora::engine::{Engine, EngineOptions, ImageSource, Request};
+use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request};
 use mmlora::model::qwen2_vl::LoraTarget;
 
 use crate::analysis::{self, RunResult};
@@ -264,7 +264,28 @@ impl Worker {
         let device = engine.device().description.clone();
         let merge = engine.model().config().spatial_merge_size;
         let started = Instant::now();
-        let encoded = engine.encode(&requests, true).map_err(|e| e.to_string())?;
+        let encoded = match engine.encode(&requests, true) {
+            Ok(encoded) => encoded,
+            // The demo's GPU is the window's too, so there is no new one to rebuild on: the
+            // CPU backend goes on, with the adapters the GPU engine held if it was the only one.
+            Err(EngineError::DeviceLost(reason)) => {
+                self.gpu = None;
+                let ran = self.engines.iter().position(|(c, _)| *c == on);
+                let (_, lost) = self
+                    .engines
+                    .remove(ran.expect("the engine that ran is kept"));
+                if self.engines.is_empty() {
+                    let cpu = lost.rebuild(device::cpu()).map_err(|e| {
+                        format!("the GPU was lost ({reason}), and the CPU backend failed: {e}")
+                    })?;
+                    self.engines.push((Compute::Cpu, cpu));
+                }
+                return Err(format!(
+                    "the GPU was lost ({reason}); the CPU backend still runs"
+                ));
+            }
+            Err(error) => return Err(error.to_string()),
+        };
         let seconds = started.elapsed().as_secs_f64();
         let (rows_out, bases) = encoded.split_at(rows.len());
         let base_of = |image: &PathBuf| {
