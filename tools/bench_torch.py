@@ -4,7 +4,9 @@ Runs transformers' Qwen2-VL vision tower and merger (random weights, eager PyTor
 LoRA adapters on every target linear (attn.qkv, attn.proj, mlp.fc1, mlp.fc2, merger mlp.0 and
 mlp.2), in the configurations `mmlora bench` times: base, then K distinct adapters mixed over
 the images. PEFT has no per-row adapter for a vision tower, so K adapters run as PEFT users must
-run them: one forward per adapter group (`set_adapter`, then that group's images). Warm-up
+run them: one forward per adapter group (`set_adapter`, then that group's images). Each timed
+call starts from patches in host memory and ends with the embeddings read back to it, as
+`mmlora bench`'s calls do (on the CPU both are no-ops). Warm-up
 first, then the configurations take turns for `--repeats` rounds, each round led by the next
 configuration; the median of each, and the median of its rounds' ratios to the base, are
 printed as one JSON object per line with the fields `mmlora bench --json` prints.
@@ -113,19 +115,24 @@ def main():
     grid = [1, height // PATCH, width // PATCH]
     rows = grid[0] * grid[1] * grid[2]
     patch_len = 3 * TEMPORAL * PATCH * PATCH
-    pixels = [torch.rand(rows, patch_len, device=device, dtype=dtype) * 2 - 1 for _ in range(args.images)]
+    pixels = [torch.rand(rows, patch_len, dtype=dtype) * 2 - 1 for _ in range(args.images)]
 
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    def read_back(output):
+        """The merged embeddings copied to host memory, as `mmlora bench` reads them (transformers
+        5 returns them as `pooler_output`, 4 alone)."""
+        return getattr(output, "pooler_output", output).cpu()
+
     def run(visual, groups):
-        """One forward per (adapter, images) group; `None` runs the base model."""
+        """One forward per (adapter, images) group, from host patches to host outputs."""
         with torch.no_grad():
             for set_active, images in groups:
                 set_active()
-                x = torch.cat([pixels[i] for i in images])
-                visual(x, grid_thw=torch.tensor([grid] * len(images), device=device))
+                x = torch.cat([pixels[i] for i in images]).to(device)
+                read_back(visual(x, grid_thw=torch.tensor([grid] * len(images), device=device)))
         sync()
 
     configs = []  # (adapters, rank, callable)
@@ -163,7 +170,7 @@ def main():
             "adapter_name": name,
             "preset": args.preset,
             "images": args.images,
-            "side": args.side,
+            "side": height,  # as the image processor resized it, as `mmlora bench` reports
             "adapters": count,
             "rank": rank,
             "median_ms": median_ms,

@@ -27,6 +27,7 @@ deadline=$(( $(date +%s) + ${MMLORA_RUN_BUDGET_S:-420} ))
 export XDG_RUNTIME_DIR=/tmp CI=true WGPU_BACKEND=vulkan
 if $rehearse; then
     shape=(--preset tiny --side 56)
+    torch_device=cpu
     linear_rows=256
     expect_coop=0
     slower=4
@@ -38,6 +39,7 @@ else
     # The test binaries find the fixtures under the path they were built in.
     mkdir -p /work && ln -sfn "$PWD" /work/main
     shape=(--side 448)
+    torch_device=cuda
     linear_rows=8192
     expect_coop=1
     slower=1
@@ -83,6 +85,12 @@ step bench 180 "${bench[@]}" --adapters 1,2,4,8 --ranks 8,16,64 --op-rows 256,40
     --linear-kernel burn --plot "$work/bench.png"
 step bench-f16 120 "${bench[@]}" --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 \
     --linear-kernel burn
+# The PyTorch + PEFT baseline on the same machine, the same shapes and adapters (CUDA's fp32
+# without TF32, and bf16: the anchors), with the image's PyTorch and transformers.
+torch_bench=(python3 tools/bench_torch.py --device "$torch_device" --images 8 "${shape[@]}"
+    --adapters 1,2,4,8 --ranks 16)
+step torch-fp32 120 "${torch_bench[@]}"
+step torch-bf16 90 "${torch_bench[@]}" --dtype bfloat16
 # The fastest linear kernel per shape (auto times Burn's and our tiled one, each checked against
 # Burn's first, its picks logged at info), and the base with each kernel alone beside it.
 step linear-kernels 90 env RUST_LOG=mmlora=info \
@@ -132,7 +140,7 @@ step engine-on-gl 60 env MMLORA_GRAPHICS_APIS=vulkan,gl "$bin/engine" every_othe
 
 # The gist on standard output too, should the files not come back.
 cat "$OUT/steps.tsv"
-for name in bench bench-f16 linear-kernels scale coop-f16 bench-16; do
+for name in bench bench-f16 torch-fp32 torch-bf16 linear-kernels scale coop-f16 bench-16; do
     echo "== $name.out"
     tar -xOf "$OUT/results.tar" "$name.out" 2>/dev/null | cut -c1-300
 done
