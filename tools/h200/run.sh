@@ -138,9 +138,24 @@ step device-faults 120 "$bin/device_faults"
 step engine-on-gl 60 env MMLORA_GRAPHICS_APIS=vulkan,gl "$bin/engine" every_other_graphics_api \
     --nocapture
 
-# The gist on standard output too, should the files not come back.
+# The gist on standard output too, should the files not come back: the main lines' key fields.
 cat "$OUT/steps.tsv"
-for name in bench bench-f16 torch-fp32 torch-bf16 linear-kernels scale coop-f16 bench-16; do
-    echo "== $name.out"
-    tar -xOf "$OUT/results.tar" "$name.out" 2>/dev/null | cut -c1-300
-done
+python3 - "$OUT/results.tar" <<'PY'
+import json, sys, tarfile
+keys = ["kind", "adapters", "rank", "rows", "precision", "linear_kernel", "median_ms", "img_per_s",
+        "ratio_vs_base", "base_ms", "lora_ms", "naive_ms", "lora_overhead"]
+with tarfile.open(sys.argv[1]) as results:
+    for name in ["bench", "bench-f16", "torch-fp32", "torch-bf16", "linear-kernels", "coop-f16"]:
+        try:
+            lines = results.extractfile(f"{name}.out").read().decode().splitlines()
+        except KeyError:
+            continue
+        print(f"== {name}")
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            print(" ".join(f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
+                           for k in keys if k in record))
+PY
