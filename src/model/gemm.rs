@@ -248,7 +248,7 @@ impl LinearKernel {
 }
 
 /// `x · weight_t (+ bias)`: with our kernel where `kernel` names one, there is a bias, the
-/// kernel takes the tensors ([`kernel_elem`]: one dtype, f32 or f16, f16 for `Coop`; every
+/// kernel takes the tensors (`kernel_elem`: one dtype, f32 or f16, f16 for `Coop`; every
 /// width a multiple of 4, `in` not 0) and `x` is on a wgpu device whose limits the kernel fits
 /// (on Flex the extension is Burn's matmul and add); with Burn's matmul otherwise (`Auto` and
 /// `Timed` included: [`crate::model::linear_choice::LinearChoice`] picks for those).
@@ -467,7 +467,7 @@ impl CoopLayout {
 /// The subgroup size `linear_coop.wgsl` runs at on `device`, where it can run there: a wgpu
 /// device with cooperative matrices, subgroups and f16, whose adapter offers 16 × 16 × 16
 /// products of f16 matrices summed in f32 without saturating (naga never asks for it), and
-/// whose workgroups and subgroups the kernel fits ([`LinearShader::runs_on`]).
+/// whose workgroups and subgroups the kernel fits (`LinearShader::runs_on`).
 pub fn coop_subgroup(device: &RuntimeDevice) -> Option<u32> {
     let setup = device.wgpu.as_ref()?;
     let needed = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX

@@ -7,7 +7,7 @@
 //! 1. Burn's matmul computes the product in f32, the reference.
 //! 2. Each candidate runs once (its pipelines compiled, Burn's autotune run), and each but
 //!    Burn's has its output checked against the reference within the rounding bound a correct
-//!    kernel keeps to ([`Reference`]): a kernel that a device's shader compiler gets wrong is
+//!    kernel keeps to (`Reference`): a kernel that a device's shader compiler gets wrong is
 //!    never picked.
 //! 3. Each candidate that passed runs [`TIMED_RUNS`] more times, between device syncs; the
 //!    median time is its time, and the fastest is kept for the shape.

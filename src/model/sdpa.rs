@@ -4,7 +4,7 @@
 //! of `q`, `k` and `v` into head-major order and of the output back: on Flex (the CPU backend)
 //! 48 ms per block at 2048 rows of Qwen2-VL-2B, three times PyTorch's SDPA, most of it the
 //! softmax's scalar `exp` (BENCHMARKS.md). Flex here runs each segment's heads, in blocks of
-//! [`QUERY_BLOCK`] queries, side by side on the rayon threads: one `gemm` call for the scaled
+//! `QUERY_BLOCK` queries, side by side on the rayon threads: one `gemm` call for the scaled
 //! scores straight from `q` and `k` where they lie, the softmax in SIMD lanes ([`exp`]), one
 //! `gemm` call writing the output into its place. The GPU backends keep the composed form
 //! ([`composed`]), which Burn's fusion compiles with its neighbours.
