@@ -262,25 +262,35 @@ fn an_adapter_holding_nan_is_refused_and_changes_nothing_alone_or_shared() {
     assert_matches_fixtures(&results, 1e-5, &cpu.description);
 }
 
-/// A copy of the fixture model under `dir` whose `merger.mlp.2.weight` is `edit`ed (the
-/// fixture writes it in f32).
-fn model_with_merger_weight(dir: &std::path::Path, edit: impl Fn(&mut [f32])) -> PathBuf {
+/// A copy of the fixture model under `dir` whose tensors are `edit`ed by name (the fixture
+/// writes them in f32).
+fn model_with(dir: &std::path::Path, edit: impl Fn(&str, &mut [f32])) -> PathBuf {
     let model = dir.join("model");
     common::copy_dir(&fixture_dir(), &model);
-    let shard = model.join("model-00002-of-00002.safetensors");
-    common::rewrite_safetensors(&shard, |name, dtype, shape, bytes| {
-        if name != "model.visual.merger.mlp.2.weight" {
-            return common::keep(name, dtype, shape, bytes);
-        }
-        let mut values: Vec<f32> = bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
-        edit(&mut values);
-        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        common::keep(name, dtype, shape, &bytes)
-    });
+    for shard in [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ] {
+        common::rewrite_safetensors(&model.join(shard), |name, dtype, shape, bytes| {
+            let mut values: Vec<f32> = bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            edit(name, &mut values);
+            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            common::keep(name, dtype, shape, &bytes)
+        });
+    }
     model
+}
+
+/// [`model_with`] `merger.mlp.2.weight` `edit`ed.
+fn model_with_merger_weight(dir: &std::path::Path, edit: impl Fn(&mut [f32])) -> PathBuf {
+    model_with(dir, |name, values| {
+        if name == "model.visual.merger.mlp.2.weight" {
+            edit(values);
+        }
+    })
 }
 
 #[test]
@@ -338,6 +348,45 @@ fn an_output_beyond_f16_fails_the_step_naming_the_request() {
             .iter()
             .all(|r| r.embeds.values.iter().all(|v| v.is_finite()))
     );
+}
+
+/// Attention scores whose unscaled products f16 cannot hold, scaled within it: in f16 the
+/// rotated `q` carries the scale, so the step runs (an unscaled `q·kᵀ` was infinite, and the
+/// step failed as not finite).
+#[test]
+fn f16_attention_scales_q_before_its_product_with_k() {
+    let Some(gpu) = f16_gpu() else {
+        return;
+    };
+    let tmp = tempfile::TempDir::new().unwrap();
+    // Block 0's largest |q·k| over the fixture images is 11.5 to 17.8 (transformers, f32), so
+    // q and k × 86 make it 85 000 to 132 000 (beyond f16's 65 504), and with the scale of
+    // 1/√16 21 000 to 33 000.
+    let model = model_with(tmp.path(), |name, values| {
+        if name.starts_with("model.visual.blocks.0.attn.qkv.") {
+            let q_and_k = values.len() / 3 * 2; // rows, or biases, of q then k then v
+            values[..q_and_k].iter_mut().for_each(|v| *v *= 86.0);
+        }
+    });
+    let options = EngineOptions {
+        precision: Precision::F16,
+        ..EngineOptions::default()
+    };
+    let results = engine_on(&model, &gpu, options)
+        .encode(&fixture_requests(), true)
+        .unwrap();
+    for result in &results {
+        let tower = result.tower.as_ref().unwrap();
+        assert!(
+            tower
+                .values
+                .iter()
+                .chain(&result.embeds.values)
+                .all(|v| v.is_finite()),
+            "{}",
+            result.id
+        );
+    }
 }
 
 #[test]

@@ -68,15 +68,10 @@ pub(super) fn pieces(segments: &[usize], heads: usize, limit: u64) -> Vec<Piece>
 }
 
 /// The attention output of `piece`'s queries, `[segments · queries, heads · head_dim]`, from
-/// `q`, `k`, `v` (`[rows, heads, head_dim]`, rotary applied), scores scaled by `scale` and the
-/// softmax taken in f32 (as PyTorch's autocast runs it).
-pub(super) fn attend(
-    q: &Tensor<3>,
-    k: &Tensor<3>,
-    v: &Tensor<3>,
-    piece: Piece,
-    scale: f64,
-) -> Tensor<2> {
+/// `q`, `k`, `v` (`[rows, heads, head_dim]`, rotary applied, `q` already scaled by
+/// `1/√head_dim`: [`super::rotary::Rotary::q`]), the softmax taken in f32 (as PyTorch's
+/// autocast runs it).
+pub(super) fn attend(q: &Tensor<3>, k: &Tensor<3>, v: &Tensor<3>, piece: Piece) -> Tensor<2> {
     let [_, heads, head_dim] = q.dims();
     let Piece {
         at,
@@ -93,7 +88,7 @@ pub(super) fn attend(
             .reshape([segments, rows, heads, head_dim])
     };
     let q = split(q, at + first_query, queries);
-    sdpa::attend(q, split(k, at, len), split(v, at, len), scale)
+    sdpa::attend(q, split(k, at, len), split(v, at, len), 1.0)
         .reshape([segments * queries, heads * head_dim])
 }
 

@@ -396,7 +396,7 @@ impl Qwen2VlVision {
             )));
         }
         // f32 angles in every precision: rotary runs in f32 (`rope::rotate_in_f32`).
-        let (cos, sin) = rotary::cos_sin(grids, &self.config, &self.device);
+        let rotary = rotary::tables(grids, &self.config, &self.device);
         // Each frame of each image attends only to itself; the same pieces in every block.
         let segments: Vec<usize> = grids
             .iter()
@@ -411,7 +411,7 @@ impl Qwen2VlVision {
         self.stages.mark(Stage::PatchEmbed);
         for block in &self.blocks {
             let normed = self.norm(&block.norm1, x.clone());
-            let attended = self.attention(block, normed, &cos, &sin, &pieces, tower)?;
+            let attended = self.attention(block, normed, &rotary, &pieces, tower)?;
             x = self.residual(x, attended);
             let normed = self.norm(&block.norm2, x.clone());
             let hidden = self.linear(&block.fc1, normed, tower, Stage::Fc1)?;
@@ -439,8 +439,7 @@ impl Qwen2VlVision {
         &self,
         block: &Block,
         x: Tensor<2>,
-        cos: &Tensor<3>,
-        sin: &Tensor<3>,
+        rotary: &rotary::Rotary,
         pieces: &[attention::Piece],
         tower: &LoraBatch,
     ) -> Result<Tensor<2>, ModelError> {
@@ -454,14 +453,15 @@ impl Qwen2VlVision {
                 .slice([0..rows, i..i + 1])
                 .reshape([rows, heads, hd])
         };
-        let q = rope::rotate_in_f32(part(0), cos, sin);
-        let k = rope::rotate_in_f32(part(1), cos, sin);
+        let [q_cos, q_sin] = &rotary.q;
+        let [k_cos, k_sin] = &rotary.k;
+        let q = rope::rotate_in_f32(part(0), q_cos, q_sin);
+        let k = rope::rotate_in_f32(part(1), k_cos, k_sin);
         let v = part(2);
         self.stages.mark(Stage::Rotary);
-        let scale = (hd as f64).powf(-0.5);
         let outputs = pieces
             .iter()
-            .map(|&piece| attention::attend(&q, &k, &v, piece, scale))
+            .map(|&piece| attention::attend(&q, &k, &v, piece))
             .collect();
         let attended = Tensor::cat(outputs, 0);
         self.stages.mark(Stage::Attention);

@@ -1,5 +1,5 @@
 //! 2-D rotary position embedding over the patch grid, in merge-block order: the angles
-//! ([`cos_sin`]); [`crate::model::rope`] rotates `q` and `k` by them.
+//! ([`tables`]); [`crate::model::rope`] rotates `q` and `k` by them.
 
 use burn::tensor::{Device, Tensor};
 
@@ -8,13 +8,19 @@ use super::{VisionConfig, host_tensor};
 /// Rotary base.
 const THETA: f32 = 10_000.0;
 
-/// `cos` and `sin` per row, `[rows, 1, head_dim]`: the first quarter of the head rotates with
-/// the patch's row, the second with its column, and the second half repeats the first.
-pub(super) fn cos_sin(
-    grids: &[[usize; 3]],
-    config: &VisionConfig,
-    device: &Device,
-) -> (Tensor<3>, Tensor<3>) {
+/// One forward's rotary tables, `cos` then `sin`, each `[rows, 1, head_dim]` in f32.
+pub(super) struct Rotary {
+    /// For `q`, with the attention's scale `1/√head_dim` folded in: the rotated `q` comes out
+    /// scaled, so `q·kᵀ` is the scaled scores. In f16, the unscaled product could overflow
+    /// where the scaled one is far from it (PyTorch's SDPA scales before the product too).
+    pub q: [Tensor<3>; 2],
+    /// For `k`.
+    pub k: [Tensor<3>; 2],
+}
+
+/// The rotary tables of `grids`: per row, the first quarter of the head rotates with the
+/// patch's row, the second with its column, and the second half repeats the first.
+pub(super) fn tables(grids: &[[usize; 3]], config: &VisionConfig, device: &Device) -> Rotary {
     let hd = config.head_dim();
     let spatial = hd / 2;
     let inv_freq: Vec<f32> = (0..spatial)
@@ -46,8 +52,13 @@ pub(super) fn cos_sin(
         }
     }
     let rows = cos.len() / hd;
-    (
-        host_tensor(cos, [rows, 1, hd], device),
-        host_tensor(sin, [rows, 1, hd], device),
-    )
+    let scale = (hd as f64).powf(-0.5);
+    let table = |values: &[f32], by: f64| {
+        let values = values.iter().map(|&v| (f64::from(v) * by) as f32).collect();
+        host_tensor(values, [rows, 1, hd], device)
+    };
+    Rotary {
+        q: [table(&cos, scale), table(&sin, scale)],
+        k: [table(&cos, 1.0), table(&sin, 1.0)],
+    }
 }
