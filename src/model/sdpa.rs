@@ -59,7 +59,12 @@ pub fn composed<B: Backend>(
     let head_major = |t: FloatTensor<B>| B::float_swap_dims(t, 1, 2);
     let k_t = B::float_swap_dims(head_major(k), 2, 3);
     let scores = B::float_cast(B::float_matmul(head_major(q), k_t), DType::F32.into());
-    let scores = B::float_mul_scalar(scores, scale.into());
+    // A pass over every score, skipped where `q` carries the scale (as the tower's does).
+    let scores = if scale == 1.0 {
+        scores
+    } else {
+        B::float_mul_scalar(scores, scale.into())
+    };
     let weights = B::float_cast(B::softmax(scores, 3), dtype.into());
     B::float_swap_dims(B::float_matmul(weights, head_major(v)), 1, 2)
 }
