@@ -392,8 +392,10 @@ mod tests {
             if cfg!(target_os = "linux") {
                 let rss = record.peak_rss_mib.expect("Linux reports VmHWM");
                 let start = record.start_rss_mib.expect("Linux reports VmRSS");
-                // The peak was reset to the resident set just before `start` was read.
-                assert!(rss > 1.0 && start > 1.0 && start <= rss, "{record:?}");
+                // The peak was reset to the resident set just before `start` was read. The
+                // kernel counts resident pages in per-CPU batches, so the two may disagree by a
+                // few pages (seen: start 16 KiB above the peak): 1 MiB of slack.
+                assert!(rss > 1.0 && start > 1.0 && start <= rss + 1.0, "{record:?}");
             }
         }
     }
