@@ -53,12 +53,17 @@ pub(super) fn tables(grids: &[[usize; 3]], config: &VisionConfig, device: &Devic
     }
     let rows = cos.len() / hd;
     let scale = (hd as f64).powf(-0.5);
-    let table = |values: &[f32], by: f64| {
-        let values = values.iter().map(|&v| (f64::from(v) * by) as f32).collect();
-        host_tensor(values, [rows, 1, hd], device)
+    let table = |values: Vec<f32>| host_tensor(values, [rows, 1, hd], device);
+    let scaled = |values: &[f32]| {
+        table(
+            values
+                .iter()
+                .map(|&v| (f64::from(v) * scale) as f32)
+                .collect(),
+        )
     };
     Rotary {
-        q: [table(&cos, scale), table(&sin, scale)],
-        k: [table(&cos, 1.0), table(&sin, 1.0)],
+        q: [scaled(&cos), scaled(&sin)],
+        k: [table(cos), table(sin)],
     }
 }
