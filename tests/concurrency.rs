@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use common::{errors, fixture_dir};
+use common::{copy_dir, edit_json, errors, fixture_dir};
 use mmlora::device::{self, RuntimeDevice};
 use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request, SharedEngine};
 
@@ -161,4 +161,56 @@ fn encoding_while_adapters_are_swapped_on_wgpu() {
     };
     // Tolerance: rel. Frobenius 1e-4 (GPU kernels on other batch shapes).
     encode_while_swapping(&gpu, 8, 1e-4);
+}
+
+/// A panic inside the lock poisons the handle for every clone; `rebuild` opens the engine
+/// again from its folder, refusing a folder whose image processor changed meanwhile.
+#[test]
+fn a_poisoned_shared_engine_is_rebuilt_in_place() {
+    let model = tempfile::TempDir::new().unwrap();
+    copy_dir(&fixture_dir(), model.path());
+    let engine = Engine::open(model.path(), device::cpu(), EngineOptions::default()).unwrap();
+    let shared = SharedEngine::new(engine);
+    shared.load_adapter("x", &adapter_dir("all-r4")).unwrap();
+    let probe = [request("probe", "wide.jpg", Some("x"))];
+    let before = shared
+        .encode(&probe, false)
+        .unwrap()
+        .remove(0)
+        .embeds
+        .values;
+
+    let clone = shared.clone();
+    let panicked = std::thread::spawn(move || clone.with_engine(|_| panic!("poison")))
+        .join()
+        .is_err();
+    assert!(panicked);
+    let poisoned = shared.encode(&probe, false).unwrap_err();
+    assert!(matches!(poisoned, EngineError::Poisoned), "{poisoned}");
+
+    let processor = model.path().join("preprocessor_config.json");
+    let original = std::fs::read(&processor).unwrap();
+    edit_json(&processor, |config| {
+        config["size"]["longest_edge"] = 12544.into()
+    });
+    let changed = shared.rebuild(device::cpu()).unwrap_err();
+    assert!(changed.to_string().contains("changed"), "{changed}");
+    // The failed rebuild kept the poisoned engine.
+    assert!(matches!(
+        shared.encode(&probe, false),
+        Err(EngineError::Poisoned)
+    ));
+
+    std::fs::write(&processor, original).unwrap();
+    shared.rebuild(device::cpu()).unwrap();
+    assert_eq!(shared.adapter_names().unwrap(), ["x"]);
+    let after = shared
+        .encode(&probe, false)
+        .unwrap()
+        .remove(0)
+        .embeds
+        .values;
+    // Tolerance: rel. Frobenius 1e-6 (the same kernels on the same device).
+    let (rel, _) = errors(&after, &before);
+    assert!(rel <= 1e-6, "rel {rel:e}");
 }

@@ -6,7 +6,7 @@ mod common;
 
 use common::{errors, fixture_dir};
 use mmlora::device::{self, RuntimeDevice};
-use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request};
+use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request, SharedEngine};
 use mmlora::model::gemm::LinearKernel;
 use mmlora::preprocess::Patches;
 
@@ -61,16 +61,7 @@ fn a_lost_device_is_a_typed_error_and_the_engine_is_rebuilt_on_a_new_one() {
         ),
         "{first}"
     );
-    // Once wgpu has reported the loss, every call says so without touching the device.
-    let mut later = engine.encode(&probe(), false).unwrap_err();
-    for _ in 0..20 {
-        if matches!(later, EngineError::DeviceLost(_)) {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        later = engine.encode(&probe(), false).unwrap_err();
-    }
-    assert!(matches!(later, EngineError::DeviceLost(_)), "{later}");
+    let later = once_reported(|| engine.encode(&probe(), false).unwrap_err());
     assert!(later.to_string().contains("rebuild"), "{later}");
 
     let mut rebuilt = engine.rebuild(device::gpu_new().unwrap()).unwrap();
@@ -78,6 +69,42 @@ fn a_lost_device_is_a_typed_error_and_the_engine_is_rebuilt_on_a_new_one() {
     for (after, before) in embeds(&mut rebuilt).iter().zip(&before) {
         // Tolerance: rel. Frobenius 1e-6 (the same kernels on the same kind of device).
         let (rel, _) = errors(after, before);
+        assert!(rel <= 1e-6, "rel {rel:e}");
+    }
+}
+
+/// Once wgpu has reported a loss, every call says so without touching the device: calls
+/// `encode` until it gives [`EngineError::DeviceLost`] (or a second has passed) and returns
+/// that error.
+fn once_reported(mut encode: impl FnMut() -> EngineError) -> EngineError {
+    let mut error = encode();
+    for _ in 0..20 {
+        if matches!(error, EngineError::DeviceLost(_)) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        error = encode();
+    }
+    assert!(matches!(error, EngineError::DeviceLost(_)), "{error}");
+    error
+}
+
+#[test]
+fn a_shared_engine_that_lost_its_device_is_rebuilt_in_place() {
+    let Some(gpu) = new_gpu() else {
+        return;
+    };
+    let shared = SharedEngine::new(engine(gpu.clone(), EngineOptions::default()));
+    let before = shared.encode(&probe(), false).unwrap();
+
+    gpu.wgpu.as_ref().unwrap().device.destroy();
+    let lost = shared.clone();
+    once_reported(|| lost.encode(&probe(), false).unwrap_err());
+
+    shared.rebuild(device::gpu_new().unwrap()).unwrap();
+    for (after, before) in lost.encode(&probe(), false).unwrap().iter().zip(&before) {
+        // Tolerance: rel. Frobenius 1e-6 (the same kernels on the same kind of device).
+        let (rel, _) = errors(&after.embeds.values, &before.embeds.values);
         assert!(rel <= 1e-6, "rel {rel:e}");
     }
 }

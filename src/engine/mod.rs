@@ -235,7 +235,7 @@ pub enum EngineError {
     #[error(transparent)]
     Meta(#[from] MetaError),
     /// A thread panicked while holding a [`SharedEngine`]'s lock: its state is unknown.
-    #[error("the engine was poisoned by a panic in another thread; build a new one")]
+    #[error("a panic in another thread poisoned the engine; rebuild it (SharedEngine::rebuild)")]
     Poisoned,
     /// The device could not run a step (e.g. a buffer over its limits); the engine still works.
     #[error("the device could not run the step: {0}")]

@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{Encoded, Engine, EngineError, Request, check_ids, request_patches};
 use crate::adapters::PeftAdapter;
+use crate::device::RuntimeDevice;
 use crate::model::qwen2_vl::{LoraTarget, VisionConfig};
 use crate::preprocess::PreprocessConfig;
 
@@ -89,6 +90,33 @@ impl SharedEngine {
     /// with.
     pub fn with_engine<R>(&self, f: impl FnOnce(&mut Engine) -> R) -> Result<R, EngineError> {
         Ok(f(&mut *self.lock()?))
+    }
+
+    /// [`Engine::rebuild`] in place, for every clone of this handle: after
+    /// [`EngineError::DeviceLost`], or a panic that poisoned the lock, the engine is opened
+    /// again from its model folder on `device`, with the same adapters, and the next call of
+    /// any clone runs on it. On an error the handle keeps the engine it had. The folder must
+    /// still hold the same model: one whose vision or image-processor config changed is
+    /// refused, since the handle decodes images and checks adapters against the old ones.
+    pub fn rebuild(&self, device: RuntimeDevice) -> Result<(), EngineError> {
+        // A poisoned engine is replaced whole, so its state need not be trusted.
+        let mut engine = self
+            .inner
+            .engine
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let rebuilt = engine.rebuild(device)?;
+        if rebuilt.model().config() != &self.inner.vision
+            || rebuilt.preprocess_config() != &self.inner.preprocess
+        {
+            return Err(EngineError::Options(
+                "the model folder changed since this handle was made; make a new SharedEngine"
+                    .to_owned(),
+            ));
+        }
+        *engine = rebuilt;
+        self.inner.engine.clear_poison();
+        Ok(())
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, Engine>, EngineError> {
