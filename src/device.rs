@@ -270,7 +270,7 @@ pub fn describe(info: &wgpu::AdapterInfo) -> String {
 pub fn gpu_for_tests() -> Option<RuntimeDevice> {
     match gpu() {
         Ok(gpu) => Some(gpu),
-        Err(error) if std::env::var("CI").as_deref() == Ok("true") => {
+        Err(error) if under_ci() => {
             panic!("CI=true requires a GPU adapter (lavapipe in CI): {error}")
         }
         Err(error) => {
@@ -278,4 +278,25 @@ pub fn gpu_for_tests() -> Option<RuntimeDevice> {
             None
         }
     }
+}
+
+/// Whether the f16 tests run on `gpu`: where its adapter has `SHADER_F16`. Without it they
+/// are skipped, saying so, except under `CI=true`, where it fails the test (CI's lavapipe has
+/// `SHADER_F16`, so losing it must not silently drop every f16 check).
+#[doc(hidden)]
+pub fn f16_for_tests(gpu: &RuntimeDevice) -> bool {
+    if gpu.supports(Precision::F16) {
+        return true;
+    }
+    assert!(
+        !under_ci(),
+        "CI=true requires SHADER_F16 on the test GPU (lavapipe has it); {} lacks it",
+        gpu.description
+    );
+    eprintln!("{}: no SHADER_F16, f16 test not run", gpu.description);
+    false
+}
+
+fn under_ci() -> bool {
+    std::env::var("CI").as_deref() == Ok("true")
 }

@@ -62,6 +62,8 @@ fn encode_while_swapping(on: &RuntimeDevice, rounds: usize, rel_tol: f64) {
 
     let done = Arc::new(AtomicBool::new(false));
     let (served, unknown) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    // How many batches served each content of `swap`.
+    let by_content = Arc::new(CONTENTS.map(|_| AtomicUsize::new(0)));
     std::thread::scope(|scope| {
         let swapper = {
             let (shared, done) = (shared.clone(), done.clone());
@@ -84,6 +86,7 @@ fn encode_while_swapping(on: &RuntimeDevice, rounds: usize, rel_tol: f64) {
             .map(|t| {
                 let (shared, expected) = (shared.clone(), &expected);
                 let (served, unknown) = (served.clone(), unknown.clone());
+                let by_content = by_content.clone();
                 scope.spawn(move || {
                     for round in 0..rounds {
                         let image = images[(t + round) % 2];
@@ -106,10 +109,11 @@ fn encode_while_swapping(on: &RuntimeDevice, rounds: usize, rel_tol: f64) {
                             errors(values, &expected[&(image, content)]).0 <= rel_tol
                         };
                         let swapped = &results[0].embeds.values;
-                        assert!(
-                            CONTENTS.iter().any(|&c| close(swapped, Some(c))),
-                            "thread {t} round {round}: `swap` matches neither of its contents"
-                        );
+                        let content = CONTENTS.iter().position(|&c| close(swapped, Some(c)));
+                        let content = content.unwrap_or_else(|| {
+                            panic!("thread {t} round {round}: `swap` matches neither content")
+                        });
+                        by_content[content].fetch_add(1, Ordering::Relaxed);
                         assert!(close(&results[1].embeds.values, Some("tower-r2")));
                         assert!(close(&results[2].embeds.values, None));
                         served.fetch_add(1, Ordering::Relaxed);
@@ -122,14 +126,20 @@ fn encode_while_swapping(on: &RuntimeDevice, rounds: usize, rel_tol: f64) {
         }
         done.store(true, Ordering::Relaxed);
         let swaps = swapper.join().unwrap();
+        let by_content = by_content.each_ref().map(|n| n.load(Ordering::Relaxed));
         println!(
-            "on {}: {} batches served, {} refused while `swap` was unloaded, {swaps} swaps",
+            "on {}: {} batches served ({by_content:?} by content), {} refused while `swap` \
+             was unloaded, {swaps} swaps",
             on.description,
             served.load(Ordering::Relaxed),
             unknown.load(Ordering::Relaxed)
         );
+        // The interleaving the test is for happened: both contents were served while swapping.
+        assert!(
+            swaps > 1 && by_content.iter().all(|&n| n > 0),
+            "{by_content:?}"
+        );
     });
-    assert!(served.load(Ordering::Relaxed) > 0);
 
     // From the call after a load on, the new content is served — whichever thread calls.
     for content in [CONTENTS[1], CONTENTS[0], CONTENTS[1]] {

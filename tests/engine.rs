@@ -33,8 +33,16 @@ fn engine_on(model_dir: &std::path::Path, on: &RuntimeDevice, options: EngineOpt
     engine
 }
 
-/// Every result against the fixture's transformers + PEFT outputs.
-fn assert_matches_fixtures(results: &[Encoded], rel_tol: f64, on: &str) {
+/// One result for each request, in order, each against the fixture's transformers + PEFT
+/// outputs for its id.
+fn assert_matches_fixtures(requests: &[Request], results: &[Encoded], rel_tol: f64, on: &str) {
+    let ids: Vec<&str> = results.iter().map(|r| r.id.as_str()).collect();
+    assert!(
+        ids.iter()
+            .copied()
+            .eq(requests.iter().map(|r| r.id.as_str())),
+        "on {on}: results {ids:?}"
+    );
     let expected = Expected::load();
     for result in results {
         let tower = result.tower.as_ref().expect("asked for the tower");
@@ -60,7 +68,7 @@ fn a_mixed_batch_from_image_files_matches_peft_on_cpu() {
     assert_eq!(results.len(), 7);
     assert!(results.iter().all(|r| r.step == 0), "one step fits all");
     // Tolerance: rel. Frobenius 1e-5, max abs 1e-4 (the model issue's bounds).
-    assert_matches_fixtures(&results, 1e-5, &cpu.description);
+    assert_matches_fixtures(&fixture_requests(), &results, 1e-5, &cpu.description);
 }
 
 /// With the default linears, and with the kernels timed per shape.
@@ -79,7 +87,7 @@ fn a_mixed_batch_from_image_files_matches_peft_on_wgpu() {
             .unwrap();
         // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4.
         let on = format!("{}, {} linears", gpu.description, linear_kernel.name());
-        assert_matches_fixtures(&results, 1e-4, &on);
+        assert_matches_fixtures(&fixture_requests(), &results, 1e-4, &on);
     }
 }
 
@@ -101,9 +109,6 @@ fn required_graphics_apis() -> Vec<WgpuBackend> {
 /// shrink).
 #[test]
 fn a_mixed_batch_matches_peft_on_every_other_graphics_api() {
-    let Some(gpu) = device::gpu_for_tests() else {
-        return;
-    };
     let found = device::graphics_apis();
     for api in required_graphics_apis() {
         assert!(
@@ -111,6 +116,9 @@ fn a_mixed_batch_matches_peft_on_every_other_graphics_api() {
             "MMLORA_GRAPHICS_APIS asks for {api:?}, and wgpu finds adapters on {found:?} only"
         );
     }
+    let Some(gpu) = device::gpu_for_tests() else {
+        return;
+    };
     let others: Vec<WgpuBackend> = found
         .iter()
         .copied()
@@ -141,22 +149,15 @@ fn a_mixed_batch_matches_peft_on_every_other_graphics_api() {
             );
             // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4, as on the
             // default API.
-            assert_matches_fixtures(&results, 1e-4, &on);
+            assert_matches_fixtures(&fixture_requests(), &results, 1e-4, &on);
             eprintln!("matches PEFT on {on}");
         }
     }
 }
 
-/// The GPU for the f16 tests, which must have `SHADER_F16` (lavapipe has it); `None` as
-/// [`device::gpu_for_tests`].
+/// The GPU for the f16 tests: one with `SHADER_F16` ([`device::f16_for_tests`]).
 fn f16_gpu() -> Option<RuntimeDevice> {
-    let gpu = device::gpu_for_tests()?;
-    assert!(
-        gpu.supports(Precision::F16),
-        "{} has no SHADER_F16 (lavapipe has it)",
-        gpu.description
-    );
-    Some(gpu)
+    device::gpu_for_tests().filter(device::f16_for_tests)
 }
 
 /// f16 against PEFT in f32, with the default linears, the kernels timed per shape and, where
@@ -259,7 +260,7 @@ fn an_adapter_holding_nan_is_refused_and_changes_nothing_alone_or_shared() {
     // all-r4 keeps its weights from the fixture.
     assert_eq!(shared.adapter_names().unwrap(), names);
     let results = shared.encode(&fixture_requests(), true).unwrap();
-    assert_matches_fixtures(&results, 1e-5, &cpu.description);
+    assert_matches_fixtures(&fixture_requests(), &results, 1e-5, &cpu.description);
 }
 
 /// A copy of the fixture model under `dir` whose tensors are `edit`ed by name (the fixture
@@ -415,7 +416,7 @@ fn more_adapters_than_slots_run_in_several_steps_with_the_same_results() {
         .unwrap();
     let steps = results.iter().map(|r| r.step).max().unwrap() + 1;
     assert_eq!(steps, 4, "four distinct adapters, one slot");
-    assert_matches_fixtures(&results, 1e-5, &cpu.description);
+    assert_matches_fixtures(&fixture_requests(), &results, 1e-5, &cpu.description);
 }
 
 #[test]
@@ -426,13 +427,17 @@ fn a_step_needing_a_slot_frees_the_one_used_least_recently() {
         ..EngineOptions::default()
     };
     let mut engine = engine(&cpu, options);
-    let request = fixture_requests().remove(0);
+    // Each time, the fixture request with that adapter, checked: a slot given to another
+    // adapter must serve that adapter's weights.
     let mut on = |adapter: &str| {
-        let request = Request {
-            adapter: Some(adapter.to_owned()),
-            ..request.clone()
-        };
-        engine.encode(&[request], false).unwrap();
+        let request: Vec<Request> = fixture_requests()
+            .into_iter()
+            .filter(|r| r.adapter.as_deref() == Some(adapter))
+            .take(1)
+            .collect();
+        let results = engine.encode(&request, true).unwrap();
+        // Tolerance: rel. Frobenius 1e-5, max abs 1e-4 (the model issue's bounds).
+        assert_matches_fixtures(&request, &results, 1e-5, &cpu.description);
         engine.slotted()
     };
     let slots = |names: [&str; 2]| names.map(|n| Some(n.to_owned())).to_vec();
@@ -571,7 +576,7 @@ fn reloading_a_name_serves_the_new_content_and_a_failed_load_changes_nothing() {
         .load_adapter("mine", &adapters.join("all-r4"))
         .unwrap();
     let first = engine.encode(&[image("mine")], true).unwrap();
-    assert_matches_fixtures(&first, 1e-5, "cpu"); // request0 is square.png with all-r4
+    assert_matches_fixtures(&[image("mine")], &first, 1e-5, "cpu"); // request0 is square.png with all-r4
 
     // A failed load (a folder that is not an adapter) leaves "mine" as it was.
     let error = engine
@@ -649,7 +654,7 @@ fn bad_requests_are_refused_before_anything_runs() {
 
     // Still serving, with the same results.
     let results = engine.encode(&good, true).unwrap();
-    assert_matches_fixtures(&results, 1e-5, &cpu.description);
+    assert_matches_fixtures(&fixture_requests(), &results, 1e-5, &cpu.description);
 }
 
 #[test]

@@ -165,13 +165,9 @@ mod tests {
     /// polynomial misses this bound (at −5.02 first, counting from −8).
     #[test]
     fn f16_gelu_computes_in_f32_and_rounds_once() {
-        let Some(gpu) = device::gpu_for_tests() else {
+        let Some(gpu) = device::gpu_for_tests().filter(device::f16_for_tests) else {
             return;
         };
-        if !gpu.supports(device::Precision::F16) {
-            eprintln!("{}: no SHADER_F16, f16 GELU test not run", gpu.description);
-            return;
-        }
         let mut values: Vec<f32> = (-1600..=1600).map(|i| i as f32 / 200.0).collect();
         values.extend([-20.0, -10.0, 10.0, 20.0, 1e-4, -1e-4]);
         let len = values.len();

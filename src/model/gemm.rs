@@ -1087,7 +1087,7 @@ mod tests {
                     DType::F32,
                 );
             }
-            if gpu.supports(crate::device::Precision::F16) {
+            if device::f16_for_tests(&gpu) {
                 for (rows, in_features, out_features) in [(block + 3, 1280, 3840), (5, 36, 516)] {
                     check(&gpu, kernel, rows, in_features, out_features, DType::F16);
                 }
@@ -1181,16 +1181,9 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
     /// themselves are checked where the device has them ([`coop_matches_float64`]).
     #[test]
     fn coop_emulated_matches_float64() {
-        let Some(gpu) = device::gpu_for_tests() else {
+        let Some(gpu) = device::gpu_for_tests().filter(device::f16_for_tests) else {
             return;
         };
-        if !gpu.supports(crate::device::Precision::F16) {
-            eprintln!(
-                "{}: no SHADER_F16, emulated coop test not run",
-                gpu.description
-            );
-            return;
-        }
         let ours = Ours {
             name: "coop (emulated)",
             truncating_sums: false,

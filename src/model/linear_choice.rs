@@ -453,7 +453,7 @@ mod tests {
     /// The dtypes `on` computes in: f32, and f16 where it has it.
     fn dtypes(on: &RuntimeDevice) -> Vec<DType> {
         let mut dtypes = vec![DType::F32];
-        if on.supports(crate::device::Precision::F16) {
+        if on.wgpu.is_some() && device::f16_for_tests(on) {
             dtypes.push(DType::F16);
         }
         dtypes

@@ -177,16 +177,9 @@ mod tests {
     /// and the sum too, and misses this bound.
     #[test]
     fn f16_rotates_in_f32_and_rounds_once() {
-        let Some(gpu) = device::gpu_for_tests() else {
+        let Some(gpu) = device::gpu_for_tests().filter(device::f16_for_tests) else {
             return;
         };
-        if !gpu.supports(device::Precision::F16) {
-            eprintln!(
-                "{}: no SHADER_F16, f16 rotary test not run",
-                gpu.description
-            );
-            return;
-        }
         // The 2B tower's heads; values up to 8 and angles of every sign, so sums cancel.
         let (rows, heads, head_dim) = (64, 16, 80);
         let x = Tensor::<3>::random(

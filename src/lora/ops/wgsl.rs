@@ -428,10 +428,7 @@ mod tests {
         #![proptest_config(ProptestConfig { cases: 12, max_shrink_iters: 0, ..ProptestConfig::default() })]
         #[test]
         fn wgsl_f16_matches_float64(problem in problems(), shrink in shrink_kernels()) {
-            // An adapter without SHADER_F16 (llvmpipe through OpenGL, say) has no f16 kernels.
-            if let Some(gpu) = device::gpu_for_tests()
-                && gpu.supports(crate::device::Precision::F16)
-            {
+            if let Some(gpu) = device::gpu_for_tests().filter(device::f16_for_tests) {
                 check_f16(&problem, &gpu, shrink);
             }
         }
@@ -497,7 +494,7 @@ mod tests {
             assert!(launched.contains(&shader), "no edge case runs {shader:?}");
         }
         // The same in f16 where the device has it: the f16 kernels are other shaders.
-        let f16 = device::gpu_for_tests().filter(|gpu| gpu.supports(crate::device::Precision::F16));
+        let f16 = device::gpu_for_tests().filter(device::f16_for_tests);
         for problem in &problems {
             for shrink in shrinks {
                 check(problem, shrink);
