@@ -2,11 +2,13 @@
 //! the model, with the scale folded into B, and stacked into the model's slots.
 //!
 //! Keys look like `base_model.model.visual.blocks.0.attn.qkv.lora_A.weight` (`[r, in]`) and
-//! `….lora_B.weight` (`[out, r]`); newer transformers write `base_model.model.model.visual.…`.
-//! Keys outside the vision tower (a language-model LoRA in the same adapter) are not ours to
-//! run and are skipped. DoRA, `modules_to_save`, bias training, initialisations that rewrite the
-//! base weights (PiSSA and the like, unless converted), unknown modules, shapes that do not fit
-//! and ranks above `max_rank` are refused with the adapter and key named.
+//! `….lora_B.weight` (`[out, r]`); newer transformers write `base_model.model.model.visual.…`,
+//! and PEFT on the tower alone `base_model.model.blocks.…`. Keys outside the vision tower (a
+//! language-model LoRA or `modules_to_save` in the same adapter) are not ours to run and are
+//! skipped. Other PEFT methods, DoRA, LoRA variants whose forward differs, whole modules of the
+//! tower (`modules_to_save`), bias training, initialisations that rewrite the base weights
+//! (PiSSA and the like, unless converted), unknown modules, shapes that do not fit and ranks
+//! above `max_rank` are refused with the adapter and key named.
 
 pub mod registry;
 
@@ -58,7 +60,12 @@ pub struct AdapterConfig {
     /// DoRA (refused).
     #[serde(default)]
     pub use_dora: bool,
-    /// Fully trained modules (refused).
+    /// Which weight parameters the adapter targets (PEFT's `target_parameters`): on a linear
+    /// layer's `weight`, the same LoRA as targeting the layer.
+    #[serde(default)]
+    pub target_parameters: Option<Vec<String>>,
+    /// Fully trained modules: served where they are outside the vision tower (saved whole, the
+    /// tower's are refused by key).
     #[serde(default)]
     pub modules_to_save: Option<Vec<String>>,
     /// Bias training (`none` only).
@@ -68,6 +75,16 @@ pub struct AdapterConfig {
     /// rewrite the base weights are refused).
     #[serde(default)]
     pub init_lora_weights: Option<serde_json::Value>,
+    /// Variants whose forward is not `x·Aᵀ·Bᵀ·scale` on every row (refused): activated LoRA
+    /// (`alora_invocation_tokens`), block-diagonal LoRA (`use_bdlora`), KaSA (`kasa_config`).
+    #[serde(default)]
+    pub alora_invocation_tokens: Option<serde_json::Value>,
+    /// See `alora_invocation_tokens`.
+    #[serde(default)]
+    pub use_bdlora: Option<serde_json::Value>,
+    /// See `alora_invocation_tokens`.
+    #[serde(default)]
+    pub kasa_config: Option<serde_json::Value>,
 }
 
 /// One module's LoRA with the scale folded into B.
@@ -157,6 +174,16 @@ impl PeftAdapter {
     ) -> Result<Self, AdapterError> {
         let config = AdapterConfig::read(name, dir)?;
         let weights_path = dir.join("adapter_model.safetensors");
+        let pickle = dir.join("adapter_model.bin");
+        if !weights_path.exists() && pickle.is_file() {
+            return Err(AdapterError::Unsupported {
+                adapter: name.to_owned(),
+                path: pickle,
+                reason: "a pickled PyTorch file, which mmlora does not read: save the adapter \
+                         as adapter_model.safetensors (PEFT's save_pretrained does by default)"
+                    .to_owned(),
+            });
+        }
         let bytes = std::fs::read(&weights_path).map_err(io_error(name, &weights_path))?;
         Self::from_safetensors(name, dir, config, &bytes, targets, max_rank)
     }
@@ -182,8 +209,11 @@ impl PeftAdapter {
             .map_err(|reason| unsupported(&config_path, reason))?;
         let alpha_pattern = Pattern::compile(&config.alpha_pattern)
             .map_err(|reason| unsupported(&config_path, reason))?;
-        let covered = TargetFilter::compile(config.target_modules.as_ref())
-            .map_err(|reason| unsupported(&config_path, reason))?;
+        let covered = TargetFilter::compile(
+            config.target_modules.as_ref(),
+            config.target_parameters.as_deref().unwrap_or_default(),
+        )
+        .map_err(|reason| unsupported(&config_path, reason))?;
         let file = SafeTensors::deserialize(bytes)
             .map_err(|e| format_error(name, &weights_path, e.to_string()))?;
         let by_path: HashMap<&str, &LoraTarget> =
@@ -196,15 +226,12 @@ impl PeftAdapter {
         };
 
         // Pair up lora_A and lora_B per module, keeping the module's name as the keys spell it
-        // (`model.visual.…` from transformers 5, `visual.…` from 4): PEFT matched the
-        // config's patterns against that name.
+        // (`model.visual.…` from transformers 5, `visual.…` from 4, nothing before `blocks.…`
+        // from the tower alone): PEFT matched the config's patterns against that name.
         let mut pairs: BTreeMap<String, KeyPair> = BTreeMap::new();
         for key in file.names() {
             let inner = key.strip_prefix("base_model.model.").unwrap_or(key);
-            let Some((prefix, module_key)) = ["model.visual.", "visual."]
-                .into_iter()
-                .find_map(|prefix| Some((prefix, inner.strip_prefix(prefix)?)))
-            else {
+            let Some((prefix, module_key)) = split_vision_key(inner) else {
                 continue; // outside the vision tower: not ours to run
             };
             let (path, side) = if let Some(path) = module_key.strip_suffix(".lora_A.weight") {
@@ -212,7 +239,8 @@ impl PeftAdapter {
             } else if let Some(path) = module_key.strip_suffix(".lora_B.weight") {
                 (path, 1)
             } else {
-                return Err(incompatible(key, unexpected_key(module_key)));
+                let saved = config.modules_to_save.as_deref().unwrap_or_default();
+                return Err(incompatible(key, unexpected_key(module_key, saved)));
             };
             if !by_path.contains_key(path) {
                 return Err(incompatible(
@@ -226,7 +254,9 @@ impl PeftAdapter {
             {
                 return Err(incompatible(
                     key,
-                    format!("`{path}` is not among the config's target_modules"),
+                    format!(
+                        "`{path}` is not among the config's target_modules or target_parameters"
+                    ),
                 ));
             }
             let pair = pairs.entry(path.to_owned()).or_insert_with(|| KeyPair {
@@ -424,30 +454,63 @@ impl AdapterConfig {
     /// Parses the text of adapter `name`'s `adapter_config.json` (read from `path`) and refuses
     /// what per-row LoRA cannot serve.
     pub fn parse(name: &str, path: &Path, text: &str) -> Result<Self, AdapterError> {
+        let unsupported = |reason| AdapterError::Unsupported {
+            adapter: name.to_owned(),
+            path: path.to_owned(),
+            reason,
+        };
+        // The type first: another PEFT method's config lacks LoRA's fields.
+        #[derive(Deserialize)]
+        struct Kind {
+            peft_type: Option<String>,
+        }
+        if let Ok(Kind {
+            peft_type: Some(kind),
+        }) = serde_json::from_str(text)
+            && kind != "LORA"
+        {
+            return Err(unsupported(format!(
+                "peft_type {kind} is not LORA, the only PEFT method mmlora runs"
+            )));
+        }
         let config: Self =
             serde_json::from_str(text).map_err(|e| format_error(name, path, e.to_string()))?;
         match config.problem() {
-            Some(reason) => Err(AdapterError::Unsupported {
-                adapter: name.to_owned(),
-                path: path.to_owned(),
-                reason,
-            }),
+            Some(reason) => Err(unsupported(reason)),
             None => Ok(config),
         }
     }
 
     /// What in this configuration mmlora refuses, if anything.
     fn problem(&self) -> Option<String> {
-        if let Some(kind) = self.peft_type.as_deref().filter(|k| *k != "LORA") {
-            return Some(format!("peft_type {kind} is not LORA"));
-        }
         if self.use_dora {
             return Some("DoRA (use_dora) is not supported".to_owned());
         }
-        if let Some(modules) = self.modules_to_save.as_ref().filter(|m| !m.is_empty()) {
-            return Some(format!(
-                "modules_to_save {modules:?} stores full modules, which per-row LoRA cannot serve"
-            ));
+        let set = |value: &Option<serde_json::Value>| {
+            value
+                .as_ref()
+                .is_some_and(|v| !(v.is_null() || v == &serde_json::json!(false)))
+        };
+        let variants = [
+            (
+                "alora_invocation_tokens",
+                &self.alora_invocation_tokens,
+                "activated LoRA acts only after its invocation tokens in the text, which the \
+                 vision tower never sees",
+            ),
+            (
+                "use_bdlora",
+                &self.use_bdlora,
+                "block-diagonal LoRA (BD-LoRA) is not supported",
+            ),
+            (
+                "kasa_config",
+                &self.kasa_config,
+                "KaSA truncates the base weights, which adapters sharing one base cannot do",
+            ),
+        ];
+        if let Some((key, _, why)) = variants.iter().find(|(_, value, _)| set(value)) {
+            return Some(format!("{key}: {why}"));
         }
         if let Some(bias) = self.bias.as_deref().filter(|b| *b != "none") {
             return Some(format!("bias = {bias} (trained biases) is not supported"));
@@ -519,8 +582,31 @@ struct KeyPair {
     keys: [Option<String>; 2],
 }
 
-/// Why a key under the vision tower is not a LoRA weight mmlora runs.
-fn unexpected_key(module_key: &str) -> String {
+/// The vision tower's part of `key` (after `base_model.model.`) and the prefix before it:
+/// `model.visual.` (transformers 5), `visual.` (transformers 4), or none (PEFT on the tower
+/// alone, whose names start at its own modules); `None` outside the tower.
+fn split_vision_key(key: &str) -> Option<(&'static str, &str)> {
+    ["model.visual.", "visual."]
+        .into_iter()
+        .find_map(|prefix| Some((prefix, key.strip_prefix(prefix)?)))
+        .or_else(|| {
+            let tower_module = ["blocks.", "merger.", "patch_embed."];
+            tower_module
+                .iter()
+                .any(|module| key.starts_with(module))
+                .then_some(("", key))
+        })
+}
+
+/// Why a key under the vision tower is not a LoRA weight mmlora runs (`saved`: the config's
+/// `modules_to_save`).
+fn unexpected_key(module_key: &str, saved: &[String]) -> String {
+    if !saved.is_empty() && !module_key.contains("lora_") {
+        return format!(
+            "a whole module trained for modules_to_save {saved:?}; per-row LoRA cannot serve \
+             one in the vision tower"
+        );
+    }
     let what = if module_key.contains("lora_magnitude_vector") {
         "a DoRA magnitude vector"
     } else if module_key.ends_with(".lora_B.bias") {
@@ -570,35 +656,61 @@ impl<T: Copy> Pattern<T> {
     }
 }
 
-/// `target_modules` as PEFT matches it against module names: a list entry matches the name or
-/// its last dotted parts, a string is a regex over the whole name (`all-linear`: everything).
-/// Names are tried as transformers 5 (`model.visual.…`) and 4 (`visual.…`) spell them.
-enum TargetFilter {
+/// `target_modules` and `target_parameters` as PEFT matches them against module names: a
+/// list entry matches the name or its last dotted parts, a string is a regex over the whole
+/// name (`all-linear`: everything); a parameter entry matches `name.weight` the way a list
+/// entry matches a name. Names are tried as transformers 5 (`model.visual.…`) and 4
+/// (`visual.…`) spell them, and as PEFT on the tower alone does (`blocks.…`).
+struct TargetFilter {
+    modules: ModuleFilter,
+    /// `target_parameters`.
+    parameters: Vec<String>,
+}
+
+enum ModuleFilter {
     All,
     Suffixes(Vec<String>),
     Regex(Regex),
 }
 
 impl TargetFilter {
-    fn compile(targets: Option<&TargetModules>) -> Result<Self, String> {
-        Ok(match targets {
-            None => Self::All,
-            Some(TargetModules::Regex(pattern)) if pattern == "all-linear" => Self::All,
-            Some(TargetModules::Regex(pattern)) => Self::Regex(
+    fn compile(modules: Option<&TargetModules>, parameters: &[String]) -> Result<Self, String> {
+        let modules = match modules {
+            // Parameters alone target only themselves.
+            None if !parameters.is_empty() => ModuleFilter::Suffixes(Vec::new()),
+            None => ModuleFilter::All,
+            Some(TargetModules::Regex(pattern)) if pattern == "all-linear" => ModuleFilter::All,
+            Some(TargetModules::Regex(pattern)) => ModuleFilter::Regex(
                 Regex::new(&format!("^(?:{pattern})$"))
                     .map_err(|e| format!("target_modules `{pattern}` is not a valid regex: {e}"))?,
             ),
-            Some(TargetModules::List(suffixes)) => Self::Suffixes(suffixes.clone()),
+            Some(TargetModules::List(suffixes)) => ModuleFilter::Suffixes(suffixes.clone()),
+        };
+        Ok(Self {
+            modules,
+            parameters: parameters.to_vec(),
         })
     }
 
     /// Whether the target at `path` (`blocks.0.attn.qkv`) is covered; a regex that cannot be
     /// run to the end (fancy-regex's backtracking limit) is an error.
     fn covers(&self, path: &str) -> Result<bool, String> {
-        let names = [format!("model.visual.{path}"), format!("visual.{path}")];
-        Ok(match self {
-            Self::All => true,
-            Self::Regex(re) => {
+        let names = [
+            format!("model.visual.{path}"),
+            format!("visual.{path}"),
+            path.to_owned(),
+        ];
+        let ends_with = |name: &str, suffix: &str| {
+            name.strip_suffix(suffix)
+                .is_some_and(|head| head.is_empty() || head.ends_with('.'))
+        };
+        let weight = format!("{}.weight", names[0]);
+        if self.parameters.iter().any(|p| ends_with(&weight, p)) {
+            return Ok(true);
+        }
+        Ok(match &self.modules {
+            ModuleFilter::All => true,
+            ModuleFilter::Regex(re) => {
                 for name in &names {
                     if re.is_match(name).map_err(|e| {
                         format!("target_modules cannot be matched against `{name}`: {e}")
@@ -608,11 +720,9 @@ impl TargetFilter {
                 }
                 false
             }
-            Self::Suffixes(suffixes) => suffixes.iter().any(|suffix| {
-                names[0]
-                    .strip_suffix(suffix.as_str())
-                    .is_some_and(|head| head.is_empty() || head.ends_with('.'))
-            }),
+            ModuleFilter::Suffixes(suffixes) => {
+                suffixes.iter().any(|suffix| ends_with(&names[0], suffix))
+            }
         })
     }
 }
@@ -827,6 +937,49 @@ mod tests {
             error.contains("not among the config's target_modules"),
             "{error}"
         );
+    }
+
+    /// What PEFT saves from the tower alone, from `target_parameters`, and beside a language
+    /// model's `modules_to_save` is served; the tower's own `modules_to_save` is not.
+    #[test]
+    fn other_ways_peft_saves_a_tower_lora_are_read() {
+        let [bare_a, bare_b] = pair("", "blocks.0.attn.qkv");
+        let list = r#"{"r": 2, "lora_alpha": 2, "target_modules": ["qkv"]}"#;
+        let adapter = load(list, &[&bare_a, &bare_b]).unwrap();
+        assert_eq!(
+            adapter.modules.keys().collect::<Vec<_>>(),
+            ["blocks.0.attn.qkv"]
+        );
+
+        let [a, b] = pair("model.visual.", "blocks.0.attn.qkv");
+        let parameters = r#"{"r": 2, "lora_alpha": 2, "target_modules": [],
+            "target_parameters": ["attn.qkv.weight"]}"#;
+        assert!(load(parameters, &[&a, &b]).is_ok());
+        let [merger_a, merger_b] = pair("model.visual.", "merger.mlp.0");
+        let error = load(parameters, &[&a, &b, &merger_a, &merger_b])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("target_parameters"), "{error}");
+
+        let lm_head = r#"{"r": 2, "lora_alpha": 2, "modules_to_save": ["lm_head"]}"#;
+        assert!(load(lm_head, &[&a, &b, "base_model.model.lm_head.weight"]).is_ok());
+        let ln_q = r#"{"r": 2, "lora_alpha": 2, "modules_to_save": ["merger.ln_q"]}"#;
+        let error = load(
+            ln_q,
+            &[&a, &b, "base_model.model.model.visual.merger.ln_q.weight"],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("modules_to_save"), "{error}");
+    }
+
+    /// Another PEFT method is named as such, though its config lacks LoRA's fields.
+    #[test]
+    fn another_peft_method_is_refused_by_its_type() {
+        let error = load(r#"{"peft_type": "LOHA", "r": 4, "alpha": 8}"#, &[])
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("peft_type LOHA is not LORA"), "{error}");
     }
 
     #[test]

@@ -232,6 +232,19 @@ fn cases() -> Vec<Case> {
             },
         ),
         case(
+            "a shard never fetched from Git LFS",
+            Model,
+            &[BLOCKS_SHARD, "Git LFS pointer"],
+            |d| {
+                model(d, |m| {
+                    let pointer = "version https://git-lfs.github.com/spec/v1\n\
+                                   oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n\
+                                   size 4398046511104\n";
+                    std::fs::write(m.join(BLOCKS_SHARD), pointer).unwrap()
+                })
+            },
+        ),
+        case(
             "shard named in the index missing",
             Model,
             &[MERGER_SHARD, "No such file"],
@@ -505,13 +518,34 @@ fn cases() -> Vec<Case> {
             })
         }),
         case(
-            "modules_to_save",
+            "modules_to_save in the tower",
             Adapter,
-            &[ADAPTER_CONFIG, "modules_to_save"],
+            &[ADAPTER_WEIGHTS, "merger.ln_q.weight", "modules_to_save"],
             |d| {
                 adapter(d, "all-r4", |a| {
                     edit_json(&a.join(ADAPTER_CONFIG), |c| {
-                        c["modules_to_save"] = serde_json::json!(["merger"])
+                        c["modules_to_save"] = serde_json::json!(["merger.ln_q"])
+                    });
+                    // PEFT saves the trained module whole beside the LoRA weights.
+                    rewrite_safetensors(&a.join(ADAPTER_WEIGHTS), |n, d, s, b| {
+                        let mut tensors = keep(n, d, s, b);
+                        if n.ends_with("merger.mlp.0.lora_A.weight") {
+                            let ln_q = "base_model.model.model.visual.merger.ln_q.weight";
+                            tensors.push((ln_q.to_owned(), Dtype::F32, vec![32], vec![0; 128]));
+                        }
+                        tensors
+                    })
+                })
+            },
+        ),
+        case(
+            "activated LoRA",
+            Adapter,
+            &[ADAPTER_CONFIG, "alora_invocation_tokens"],
+            |d| {
+                adapter(d, "all-r4", |a| {
+                    edit_json(&a.join(ADAPTER_CONFIG), |c| {
+                        c["alora_invocation_tokens"] = serde_json::json!([5, 6])
                     })
                 })
             },
@@ -532,8 +566,12 @@ fn cases() -> Vec<Case> {
             &[ADAPTER_CONFIG, "PREFIX_TUNING"],
             |d| {
                 adapter(d, "all-r4", |a| {
+                    // Another method's config lacks LoRA's fields.
                     edit_json(&a.join(ADAPTER_CONFIG), |c| {
-                        c["peft_type"] = "PREFIX_TUNING".into()
+                        c["peft_type"] = "PREFIX_TUNING".into();
+                        let lora = c.as_object_mut().unwrap();
+                        lora.remove("r");
+                        lora.remove("lora_alpha");
                     })
                 })
             },
@@ -898,7 +936,8 @@ fn cli(target: Target, path: &Path, out: &Path) -> std::process::Output {
 #[test]
 fn every_bad_input_is_a_typed_error_and_the_engine_keeps_serving() {
     let cases = cases();
-    assert!(cases.len() >= 40, "the corpus has {} cases", cases.len());
+    // As many as README.md counts, so that no case goes missing unnoticed.
+    assert_eq!(cases.len(), 65, "the corpus has {} cases", cases.len());
     let mut serving = Serving::new();
     let mut failures = Vec::new();
     for (i, case) in cases.iter().enumerate() {

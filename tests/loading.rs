@@ -1,5 +1,6 @@
-//! Checkpoint and adapter layouts that must load (bf16 shards, language-model shards never read,
-//! the older single-file `visual.*` layout) and the rank limit. Inputs that must be refused are
+//! Checkpoint and adapter layouts that must load (bf16, f16 and f64 shards, language-model
+//! shards never read, the older single-file `visual.*` layout, a single file beside a stale
+//! index) and the rank limit. Inputs that must be refused are
 //! the corpus in `tests/corpus.rs`.
 
 mod common;
@@ -7,7 +8,7 @@ mod common;
 use std::fs;
 use std::path::Path;
 
-use burn::tensor::{Distribution, Tensor};
+use burn::tensor::{Tensor, TensorData};
 use common::{copy_dir, fixture_dir, keep, rewrite_safetensors};
 use mmlora::adapters::PeftAdapter;
 use mmlora::device;
@@ -21,8 +22,26 @@ fn load_model(dir: &Path) -> Result<Qwen2VlVision, ModelError> {
     Qwen2VlVision::load(dir, &device::cpu().device)
 }
 
+/// The embeddings of `model` for a fixed input without adapters.
+fn embeds_of(model: &Qwen2VlVision) -> TensorData {
+    let cpu = device::cpu();
+    let values = (0..16 * 1176).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0);
+    let x = Tensor::<2>::from_data(TensorData::new(values.collect(), [16, 1176]), &cpu.device);
+    let none = |n| {
+        LoraBatch::new(
+            KernelMeta::from_token_slots(vec![NO_SLOT; n], 1).unwrap(),
+            &cpu,
+        )
+    };
+    model
+        .forward(x, &[[1, 4, 4]], &none(16), &none(4))
+        .unwrap()
+        .embeds
+        .into_data()
+}
+
 #[test]
-fn language_model_shards_are_never_read_and_bf16_weights_load() {
+fn language_model_shards_are_never_read() {
     let tmp = TempDir::new().unwrap();
     let dir = tmp.path();
     copy_dir(&fixture_dir(), dir);
@@ -34,22 +53,62 @@ fn language_model_shards_are_never_read_and_bf16_weights_load() {
     index["weight_map"]["model.language_model.layers.0.mlp.up_proj.weight"] =
         "model-lm.safetensors".into();
     fs::write(&index_path, index.to_string()).unwrap();
-    // The blocks' shard in bf16.
-    rewrite_safetensors(
-        &dir.join("model-00001-of-00002.safetensors"),
-        |n, d, s, b| {
-            assert_eq!(d, Dtype::F32);
-            let halves = b
-                .chunks_exact(4)
-                .flat_map(|c| {
-                    half::bf16::from_f32(f32::from_le_bytes(c.try_into().unwrap())).to_le_bytes()
-                })
-                .collect();
-            vec![(n.to_owned(), Dtype::BF16, s.to_vec(), halves)]
-        },
-    );
-    let model = load_model(dir).unwrap();
-    assert_eq!(model.lora_targets().len(), 2 * 4 + 2);
+    embeds_of(&load_model(dir).unwrap())
+        .assert_eq(&embeds_of(&load_model(&fixture_dir()).unwrap()), true);
+}
+
+/// Weights stored as bf16, f16 or f64 load as the same values stored as f32 (rounded to the
+/// stored type first): widening to f32 is exact, and so is narrowing an f64 that holds an f32.
+#[test]
+fn weights_of_every_float_type_load_to_their_values() {
+    let f32s = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    type Store = fn(&[f32]) -> (Vec<f32>, Dtype, Vec<u8>);
+    let stores: [(&str, Store); 3] = [
+        ("bf16", |v| {
+            let h: Vec<half::bf16> = v.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            let bytes = h.iter().flat_map(|x| x.to_le_bytes()).collect();
+            (h.iter().map(|x| x.to_f32()).collect(), Dtype::BF16, bytes)
+        }),
+        ("f16", |v| {
+            let h: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let bytes = h.iter().flat_map(|x| x.to_le_bytes()).collect();
+            (h.iter().map(|x| x.to_f32()).collect(), Dtype::F16, bytes)
+        }),
+        ("f64", |v| {
+            let bytes = v.iter().flat_map(|&x| f64::from(x).to_le_bytes()).collect();
+            (v.to_vec(), Dtype::F64, bytes)
+        }),
+    ];
+    for (name, store) in stores {
+        let [as_f32, as_stored] = [TempDir::new().unwrap(), TempDir::new().unwrap()];
+        for (dir, stored) in [(&as_f32, false), (&as_stored, true)] {
+            copy_dir(&fixture_dir(), dir.path());
+            rewrite_safetensors(
+                &dir.path().join("model-00001-of-00002.safetensors"),
+                |n, d, s, b| {
+                    assert_eq!(d, Dtype::F32);
+                    let (rounded, dtype, bytes) = store(&f32s(b));
+                    let (dtype, bytes) = match stored {
+                        true => (dtype, bytes),
+                        false => (
+                            Dtype::F32,
+                            rounded.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                        ),
+                    };
+                    vec![(n.to_owned(), dtype, s.to_vec(), bytes)]
+                },
+            );
+        }
+        let [expected, actual] =
+            [&as_f32, &as_stored].map(|d| embeds_of(&load_model(d.path()).unwrap()));
+        // Bitwise: the same f32 weights, the same kernels.
+        actual.assert_eq(&expected, true);
+        eprintln!("{name} weights load to their values");
+    }
 }
 
 #[test]
@@ -96,20 +155,16 @@ fn a_single_file_checkpoint_with_the_old_prefix_loads_the_same_model() {
         out
     });
     let old = load_model(dir).unwrap();
-    let new = load_model(&fixture_dir()).unwrap();
-    let cpu = device::cpu();
-    let x = Tensor::<2>::random([16, 1176], Distribution::Default, &cpu.device);
-    let none = |n| {
-        LoraBatch::new(
-            KernelMeta::from_token_slots(vec![NO_SLOT; n], 1).unwrap(),
-            &cpu,
-        )
-    };
-    let run = |m: &Qwen2VlVision| {
-        m.forward(x.clone(), &[[1, 4, 4]], &none(16), &none(4))
-            .unwrap()
-            .embeds
-            .into_data()
-    };
-    run(&old).assert_eq(&run(&new), true);
+    embeds_of(&old).assert_eq(&embeds_of(&load_model(&fixture_dir()).unwrap()), true);
+
+    // Beside an index whose shards cannot be read, the single file is the checkpoint, as in
+    // transformers (a folder saved again unsharded keeps its old index).
+    for name in [
+        "model.safetensors.index.json",
+        "model-00001-of-00002.safetensors",
+    ] {
+        fs::copy(fixture_dir().join(name), dir.join(name)).unwrap();
+    }
+    fs::write(dir.join("model-00001-of-00002.safetensors"), b"stale").unwrap();
+    embeds_of(&load_model(dir).unwrap()).assert_eq(&embeds_of(&old), true);
 }

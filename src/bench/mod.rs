@@ -24,7 +24,7 @@ use crate::device::{Precision, RuntimeDevice};
 use crate::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
 use crate::lora::ops::ShrinkKernel;
 use crate::model::gemm::LinearKernel;
-use crate::model::qwen2_vl::{LoraTarget, Qwen2VlVision, VisionConfig};
+use crate::model::qwen2_vl::{DEFAULT_ROPE_THETA, LoraTarget, Qwen2VlVision, VisionConfig};
 use crate::preprocess::{Patches, PreprocessConfig, smart_resize};
 
 /// A model shape to benchmark.
@@ -64,6 +64,7 @@ impl Preset {
             spatial_merge_size: 2,
             temporal_patch_size: 2,
             hidden_act: "quick_gelu".to_owned(),
+            rope_theta: DEFAULT_ROPE_THETA,
         }
     }
 }

@@ -88,7 +88,8 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
-    /// Opens `dir`: reads the index (or the single file's header), maps nothing else yet.
+    /// Opens `dir`: reads the single file's header or, where there is none, the index of the
+    /// shards (transformers' order, for a folder holding both), and maps nothing else yet.
     pub fn open(dir: &Path) -> Result<Self, CheckpointError> {
         let index_path = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
@@ -98,7 +99,17 @@ impl Checkpoint {
             maps: HashMap::new(),
             progress: ProgressBar::hidden(),
         };
-        if index_path.exists() {
+        if single.exists() {
+            let keys: Vec<String> = checkpoint
+                .map(&single)?
+                .names()
+                .into_iter()
+                .map(str::to_owned)
+                .collect();
+            for key in keys {
+                checkpoint.locations.insert(key, single.clone());
+            }
+        } else if index_path.exists() {
             let text =
                 std::fs::read_to_string(&index_path).map_err(|source| CheckpointError::Io {
                     path: index_path.clone(),
@@ -111,16 +122,6 @@ impl Checkpoint {
                 })?;
             for (key, file) in index.weight_map {
                 checkpoint.locations.insert(key, dir.join(file));
-            }
-        } else if single.exists() {
-            let keys: Vec<String> = checkpoint
-                .map(&single)?
-                .names()
-                .into_iter()
-                .map(str::to_owned)
-                .collect();
-            for key in keys {
-                checkpoint.locations.insert(key, single.clone());
             }
         } else {
             return Err(CheckpointError::NoWeights {
@@ -139,9 +140,9 @@ impl Checkpoint {
         self.progress = bar;
     }
 
-    /// Whether the checkpoint has `key`.
-    pub fn contains(&self, key: &str) -> bool {
-        self.locations.contains_key(key)
+    /// Whether any key of the checkpoint starts with `prefix`.
+    pub fn has_prefix(&self, prefix: &str) -> bool {
+        self.locations.keys().any(|key| key.starts_with(prefix))
     }
 
     fn map(&mut self, path: &Path) -> Result<SafeTensors<'_>, CheckpointError> {
@@ -163,9 +164,14 @@ impl Checkpoint {
             let map = unsafe { Mmap::map(&file) }.map_err(io_error)?;
             self.maps.insert(path.to_owned(), map);
         }
-        SafeTensors::deserialize(&self.maps[path]).map_err(|e| CheckpointError::Format {
+        let bytes = &self.maps[path];
+        SafeTensors::deserialize(bytes).map_err(|e| CheckpointError::Format {
             path: path.to_owned(),
-            reason: e.to_string(),
+            reason: if bytes.starts_with(b"version https://git-lfs") {
+                "a Git LFS pointer, not the weights: fetch them (`git lfs pull`)".to_owned()
+            } else {
+                e.to_string()
+            },
         })
     }
 
@@ -193,12 +199,15 @@ impl Checkpoint {
             key: key.to_owned(),
             path: path.clone(),
             found,
-            expected: format!("f32/f16/bf16 {shape:?}"),
+            expected: format!("f64/f32/f16/bf16 {shape:?}"),
         };
         if view.shape() != shape {
             return Err(mismatch(format!("{:?} {:?}", view.dtype(), view.shape())));
         }
-        if !matches!(view.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+        if !matches!(
+            view.dtype(),
+            Dtype::F64 | Dtype::F32 | Dtype::F16 | Dtype::BF16
+        ) {
             return Err(mismatch(format!("{:?} {:?}", view.dtype(), view.shape())));
         }
         let values = float_values(&view).map_err(|reason| CheckpointError::Values {
@@ -214,11 +223,15 @@ impl Checkpoint {
     }
 }
 
-/// A float tensor's values widened to f32 (f32, f16 and bf16 on disk); non-finite values and
-/// other dtypes are refused, with the reason.
+/// A float tensor's values as f32 (f64 rounded, f32, f16 and bf16 widened); non-finite values
+/// (an f64 beyond f32's range among them) and other dtypes are refused, with the reason.
 pub fn float_values(view: &safetensors::tensor::TensorView<'_>) -> Result<Vec<f32>, String> {
     let bytes = view.data();
     let values: Vec<f32> = match view.dtype() {
+        Dtype::F64 => bytes
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().expect("chunks of 8")) as f32)
+            .collect(),
         Dtype::F32 => bytes
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))

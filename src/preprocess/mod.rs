@@ -49,17 +49,22 @@ impl Default for PreprocessConfig {
     }
 }
 
-/// `preprocessor_config.json` as written by transformers (old and new spellings).
+/// `preprocessor_config.json` as written by transformers (old and new spellings), or the
+/// `image_processor` object of `processor_config.json`.
 #[derive(Debug, Deserialize)]
 struct ConfigFile {
+    #[serde(default, deserialize_with = "whole_number")]
     min_pixels: Option<usize>,
+    #[serde(default, deserialize_with = "whole_number")]
     max_pixels: Option<usize>,
     size: Option<SizeField>,
     patch_size: Option<usize>,
     temporal_patch_size: Option<usize>,
     merge_size: Option<usize>,
     rescale_factor: Option<f64>,
+    #[serde(default, deserialize_with = "per_channel")]
     image_mean: Option<[f32; 3]>,
+    #[serde(default, deserialize_with = "per_channel")]
     image_std: Option<[f32; 3]>,
     do_resize: Option<bool>,
     do_rescale: Option<bool>,
@@ -69,13 +74,97 @@ struct ConfigFile {
     resample: Option<u32>,
 }
 
+/// The file holding the processor's settings in `dir` and what it says, in transformers'
+/// order (see [`PreprocessConfig::from_model_dir`]); `None` when the folder has neither file.
+fn settings_file(dir: &Path) -> Result<Option<(PathBuf, ConfigFile)>, PreprocessError> {
+    #[derive(Deserialize)]
+    struct Processor {
+        image_processor: Option<ConfigFile>,
+    }
+    let nested = dir.join("processor_config.json");
+    if let Some(processor) = read_json::<Processor>(&nested)?
+        && let Some(file) = processor.image_processor
+    {
+        return Ok(Some((nested, file)));
+    }
+    let path = dir.join("preprocessor_config.json");
+    match read_json(&path)? {
+        Some(file) => Ok(Some((path, file))),
+        None if dir.is_dir() => Ok(None),
+        None => Err(PreprocessError::Io {
+            path,
+            source: std::io::ErrorKind::NotFound.into(),
+        }),
+    }
+}
+
+/// The JSON file at `path`, or `None` where there is none.
+fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>, PreprocessError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => {
+            return Err(PreprocessError::Io {
+                path: path.to_owned(),
+                source,
+            });
+        }
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|source| PreprocessError::Config {
+            path: path.to_owned(),
+            source,
+        })
+}
+
 /// Pillow's number for bicubic resampling, the only filter mmlora implements.
 const PIL_BICUBIC: u32 = 3;
 
 #[derive(Debug, Deserialize)]
 struct SizeField {
+    #[serde(default, deserialize_with = "whole_number")]
     shortest_edge: Option<usize>,
+    #[serde(default, deserialize_with = "whole_number")]
     longest_edge: Option<usize>,
+}
+
+/// A count of pixels, which Python may have written as a float (`3136.0`).
+fn whole_number<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
+    let Some(number) = Option::<serde_json::Number>::deserialize(d)? else {
+        return Ok(None);
+    };
+    if let Some(n) = number.as_u64() {
+        return usize::try_from(n)
+            .map(Some)
+            .map_err(serde::de::Error::custom);
+    }
+    match number.as_f64() {
+        Some(x) if x >= 0.0 && x.fract() == 0.0 && x <= u32::MAX as f64 => Ok(Some(x as usize)),
+        _ => Err(serde::de::Error::custom(format!(
+            "{number} is not a whole number of pixels"
+        ))),
+    }
+}
+
+/// One value per channel, or one for all three (which transformers broadcasts).
+fn per_channel<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<[f32; 3]>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Channels {
+        All(f32),
+        Each(Vec<f32>),
+    }
+    match Option::<Channels>::deserialize(d)? {
+        None => Ok(None),
+        Some(Channels::All(value)) => Ok(Some([value; 3])),
+        Some(Channels::Each(values)) => values.try_into().map(Some).map_err(|values: Vec<f32>| {
+            serde::de::Error::custom(format!(
+                "{} values, where an RGB image takes 3 (or one for all channels)",
+                values.len()
+            ))
+        }),
+    }
 }
 
 /// Errors reading images or processor settings.
@@ -179,22 +268,14 @@ impl PreprocessError {
 }
 
 impl PreprocessConfig {
-    /// The settings in `dir/preprocessor_config.json`, or the defaults when the folder has
-    /// none; settings the processor cannot run are refused with their key.
+    /// The settings in `dir` where transformers finds them: the `image_processor` object of
+    /// `processor_config.json` (as transformers 5 saves a processor), else
+    /// `preprocessor_config.json`, else the defaults; settings the processor cannot run are
+    /// refused with their key.
     pub fn from_model_dir(dir: &Path) -> Result<Self, PreprocessError> {
-        let path = dir.join("preprocessor_config.json");
-        let text = match std::fs::read_to_string(&path) {
-            Ok(text) => text,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && dir.is_dir() => {
-                return Ok(Self::default());
-            }
-            Err(source) => return Err(PreprocessError::Io { path, source }),
+        let Some((path, file)) = settings_file(dir)? else {
+            return Ok(Self::default());
         };
-        let file: ConfigFile =
-            serde_json::from_str(&text).map_err(|source| PreprocessError::Config {
-                path: path.clone(),
-                source,
-            })?;
         let config = Self::from_file(&file);
         match Self::file_problem(&file).or_else(|| config.unusable_setting()) {
             Some((key, reason)) => Err(PreprocessError::Setting { path, key, reason }),
@@ -220,9 +301,19 @@ impl PreprocessConfig {
                 .temporal_patch_size
                 .unwrap_or(default.temporal_patch_size),
             merge_size: file.merge_size.unwrap_or(default.merge_size),
-            rescale_factor: file.rescale_factor.unwrap_or(default.rescale_factor),
-            image_mean: file.image_mean.unwrap_or(default.image_mean),
-            image_std: file.image_std.unwrap_or(default.image_std),
+            // A step switched off is the same step with factors that change nothing.
+            rescale_factor: match file.do_rescale {
+                Some(false) => 1.0,
+                _ => file.rescale_factor.unwrap_or(default.rescale_factor),
+            },
+            image_mean: match file.do_normalize {
+                Some(false) => [0.0; 3],
+                _ => file.image_mean.unwrap_or(default.image_mean),
+            },
+            image_std: match file.do_normalize {
+                Some(false) => [1.0; 3],
+                _ => file.image_std.unwrap_or(default.image_std),
+            },
         }
     }
 
@@ -231,8 +322,6 @@ impl PreprocessConfig {
     fn file_problem(file: &ConfigFile) -> Option<(&'static str, String)> {
         let switches = [
             ("do_resize", file.do_resize),
-            ("do_rescale", file.do_rescale),
-            ("do_normalize", file.do_normalize),
             ("do_convert_rgb", file.do_convert_rgb),
         ];
         if let Some((key, _)) = switches.iter().find(|(_, on)| *on == Some(false)) {
@@ -979,6 +1068,54 @@ mod tests {
         );
     }
 
+    /// Where transformers reads the settings, and the spellings it takes.
+    #[test]
+    fn processor_settings_are_read_as_transformers_reads_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, json: &str| std::fs::write(dir.path().join(name), json).unwrap();
+        let read = || PreprocessConfig::from_model_dir(dir.path());
+        write("preprocessor_config.json", r#"{"max_pixels": 12845056}"#);
+        // A processor saved by transformers 5 nests its image processor's settings; they win
+        // over an older preprocessor_config.json beside them.
+        write(
+            "processor_config.json",
+            r#"{"image_processor": {"size": {"shortest_edge": 3136.0, "longest_edge": 9408.0},
+                "image_mean": 0.5, "image_std": [0.25, 0.5, 1.0]}, "processor_class": "Qwen2VLProcessor"}"#,
+        );
+        let config = read().unwrap();
+        assert_eq!((config.min_pixels, config.max_pixels), (3136, 9408));
+        assert_eq!(
+            (config.image_mean, config.image_std),
+            ([0.5; 3], [0.25, 0.5, 1.0])
+        );
+        // Without nested settings, processor_config.json is not the image processor's.
+        write(
+            "processor_config.json",
+            r#"{"processor_class": "Qwen2VLProcessor"}"#,
+        );
+        assert_eq!(read().unwrap().max_pixels, 12845056);
+        // Steps switched off are factors that change nothing.
+        write(
+            "preprocessor_config.json",
+            r#"{"do_rescale": false, "do_normalize": false, "rescale_factor": 0.5}"#,
+        );
+        let config = read().unwrap();
+        assert_eq!(config.rescale_factor, 1.0);
+        assert_eq!((config.image_mean, config.image_std), ([0.0; 3], [1.0; 3]));
+        // Malformed values are refused naming the file and saying why.
+        for (json, why) in [
+            (r#"{"image_mean": [0.5, 0.5, 0.5, 0.5]}"#, "4 values"),
+            (r#"{"max_pixels": 3136.5}"#, "not a whole number"),
+        ] {
+            write("preprocessor_config.json", json);
+            let error = read().unwrap_err().to_string();
+            assert!(
+                error.contains("preprocessor_config.json") && error.contains(why),
+                "{json}: {error}"
+            );
+        }
+    }
+
     #[test]
     fn processor_settings_it_cannot_run_are_refused_by_key() {
         let dir = tempfile::tempdir().unwrap();
@@ -988,7 +1125,7 @@ mod tests {
         };
         for (json, key) in [
             (r#"{"resample": 2}"#, "resample"),
-            (r#"{"do_normalize": false}"#, "do_normalize"),
+            (r#"{"do_resize": false}"#, "do_resize"),
             (r#"{"do_convert_rgb": false}"#, "do_convert_rgb"),
             (r#"{"size": {"shortest_edge": 3136}}"#, "size"),
             (r#"{"min_pixels": 0}"#, "min_pixels"),

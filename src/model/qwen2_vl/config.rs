@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 /// The vision tower's shape (`vision_config`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct VisionConfig {
     /// Transformer blocks.
     pub depth: usize,
@@ -27,7 +27,12 @@ pub struct VisionConfig {
     pub temporal_patch_size: usize,
     /// Activation of the MLP.
     pub hidden_act: String,
+    /// Base of the rotary position embedding's frequencies (`rope_parameters.rope_theta`).
+    pub rope_theta: f32,
 }
+
+/// transformers' rotary base when a config gives none.
+pub const DEFAULT_ROPE_THETA: f32 = 10_000.0;
 
 /// A LoRA target linear: its module path (as in PEFT keys after `visual.`) and shape.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,6 +73,17 @@ struct RawVision {
     spatial_merge_size: Option<usize>,
     temporal_patch_size: Option<usize>,
     hidden_act: Option<String>,
+    /// transformers 5's spelling; `rope_theta` beside it is the older one.
+    rope_parameters: Option<RopeParameters>,
+    rope_theta: Option<f32>,
+}
+
+/// The vision rotary embedding's parameters.
+#[derive(Deserialize)]
+struct RopeParameters {
+    rope_theta: Option<f32>,
+    #[serde(alias = "type")]
+    rope_type: Option<String>,
 }
 
 impl From<RawVision> for VisionConfig {
@@ -83,6 +99,11 @@ impl From<RawVision> for VisionConfig {
             spatial_merge_size: raw.spatial_merge_size.unwrap_or(2),
             temporal_patch_size: raw.temporal_patch_size.unwrap_or(2),
             hidden_act: raw.hidden_act.unwrap_or_else(|| "quick_gelu".to_owned()),
+            rope_theta: raw
+                .rope_parameters
+                .and_then(|rope| rope.rope_theta)
+                .or(raw.rope_theta)
+                .unwrap_or(DEFAULT_ROPE_THETA),
         }
     }
 }
@@ -90,7 +111,8 @@ impl From<RawVision> for VisionConfig {
 #[derive(Deserialize)]
 struct ConfigFile {
     model_type: Option<String>,
-    vision_config: Option<RawVision>,
+    /// Read as [`RawVision`] once `model_type` says it is Qwen2-VL's.
+    vision_config: Option<serde_json::Value>,
 }
 
 /// Errors reading `config.json`.
@@ -136,10 +158,29 @@ impl VisionConfig {
                 )));
             }
         }
-        let config: VisionConfig = file
+        let raw = file
             .vision_config
-            .ok_or_else(|| invalid("no vision_config".to_owned()))?
-            .into();
+            .ok_or_else(|| invalid("no vision_config".to_owned()))?;
+        let raw =
+            RawVision::deserialize(raw).map_err(|e| invalid(format!("vision_config: {e}")))?;
+        if let Some(rope_type) = raw
+            .rope_parameters
+            .as_ref()
+            .and_then(|r| r.rope_type.as_ref())
+            && rope_type != "axial"
+        {
+            return Err(invalid(format!(
+                "vision_config.rope_parameters.rope_type is {rope_type}; the tower's rotary \
+                 embedding is axial"
+            )));
+        }
+        let config = VisionConfig::from(raw);
+        if !(config.rope_theta.is_finite() && config.rope_theta > 0.0) {
+            return Err(invalid(format!(
+                "vision_config.rope_parameters.rope_theta is {}, not a positive number",
+                config.rope_theta
+            )));
+        }
         if let Some((field, value, max)) = config.out_of_range() {
             return Err(invalid(format!(
                 "vision_config.{field} is {value}, outside 1..={max}"
@@ -256,9 +297,43 @@ mod tests {
     }
 
     #[test]
+    fn the_rotary_base_is_read_in_both_spellings() {
+        let with = |vision_extra: &str| {
+            parse(&format!(
+                r#"{{"model_type": "qwen2_vl", "vision_config": {{"depth": 2, "embed_dim": 32,
+                "num_heads": 2, "hidden_size": 48{vision_extra}}}}}"#
+            ))
+        };
+        assert_eq!(with("").unwrap().rope_theta, DEFAULT_ROPE_THETA);
+        let theta = |extra| with(extra).unwrap().rope_theta;
+        assert_eq!(theta(r#", "rope_theta": 100.0"#), 100.0);
+        assert_eq!(
+            theta(r#", "rope_parameters": {"rope_theta": 50.0, "rope_type": "axial"}"#),
+            50.0
+        );
+        for (extra, says) in [
+            (r#", "rope_parameters": {"rope_type": "yarn"}"#, "yarn"),
+            (r#", "rope_parameters": {"rope_theta": -1.0}"#, "-1"),
+        ] {
+            let error = with(extra).unwrap_err().to_string();
+            assert!(error.contains(says), "{extra}: {error}");
+        }
+    }
+
+    #[test]
     fn other_models_and_odd_shapes_are_refused() {
         let error = parse(r#"{"model_type": "llava"}"#).unwrap_err();
         assert!(error.to_string().contains("llava"), "{error}");
+        // Qwen2.5-VL's vision_config has no embed_dim: the model type is what is wrong.
+        let error = parse(
+            r#"{"model_type": "qwen2_5_vl", "vision_config": {"depth": 32, "hidden_size": 1280,
+            "out_hidden_size": 3584}}"#,
+        )
+        .unwrap_err();
+        assert!(
+            error.to_string().contains("model_type is qwen2_5_vl"),
+            "{error}"
+        );
         let error = parse(
             r#"{"model_type": "qwen2_vl", "vision_config": {"depth": 1, "embed_dim": 30,
             "num_heads": 3, "hidden_size": 8}}"#,

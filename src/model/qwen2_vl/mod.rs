@@ -19,7 +19,7 @@ use crate::model::linear_choice::LinearChoice;
 use crate::model::rope;
 use crate::model::stages::{Stage, StageClock};
 use crate::preprocess::grid_rows;
-pub use config::{ConfigError, LoraTarget, VisionConfig};
+pub use config::{ConfigError, DEFAULT_ROPE_THETA, LoraTarget, VisionConfig};
 
 /// LayerNorm epsilon of every norm in the tower and merger.
 const LAYER_NORM_EPS: f64 = 1e-6;
@@ -118,7 +118,7 @@ impl Qwen2VlVision {
     pub fn load(dir: &Path, device: &Device) -> Result<Self, ModelError> {
         let config = VisionConfig::from_model_dir(dir)?;
         let mut ckpt = Checkpoint::open(dir)?;
-        let prefix = if ckpt.contains("model.visual.patch_embed.proj.weight") {
+        let prefix = if ckpt.has_prefix("model.visual.") {
             "model.visual."
         } else {
             "visual."

@@ -3,10 +3,9 @@
 
 use burn::tensor::{Device, Tensor};
 
+#[cfg(test)]
+use super::DEFAULT_ROPE_THETA;
 use super::{VisionConfig, host_tensor};
-
-/// Rotary base.
-const THETA: f32 = 10_000.0;
 
 /// One forward's rotary tables, `cos` then `sin`, each `[rows, 1, head_dim]` in f32.
 pub(super) struct Rotary {
@@ -25,7 +24,7 @@ pub(super) fn tables(grids: &[[usize; 3]], config: &VisionConfig, device: &Devic
     let spatial = hd / 2;
     let inv_freq: Vec<f32> = (0..spatial)
         .step_by(2)
-        .map(|i| 1.0 / THETA.powf(i as f32 / spatial as f32))
+        .map(|i| 1.0 / config.rope_theta.powf(i as f32 / spatial as f32))
         .collect();
     let m = config.spatial_merge_size;
     let (mut cos, mut sin) = (Vec::new(), Vec::new());
@@ -65,5 +64,42 @@ pub(super) fn tables(grids: &[[usize; 3]], config: &VisionConfig, device: &Devic
     Rotary {
         q: [scaled(&cos), scaled(&sin)],
         k: [table(cos), table(sin)],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::Preset;
+    use crate::device;
+
+    /// The angles as transformers computes them: position × θ^(−2i/(head_dim/2)), the patch's
+    /// row for the first quarter of the head and its column for the second, from the config's
+    /// base. Tolerance: f32's rounding of the angle and of cos (a few ulps of values ≤ 3).
+    #[test]
+    fn angles_follow_the_configs_rotary_base() {
+        let cpu = device::cpu();
+        for theta in [DEFAULT_ROPE_THETA, 100.0] {
+            let config = VisionConfig {
+                rope_theta: theta,
+                ..Preset::Tiny.config()
+            };
+            let (hd, quarter) = (config.head_dim(), config.head_dim() / 4);
+            let Rotary { k: [cos, _], .. } = tables(&[[1, 2, 4]], &config, &cpu.device);
+            let cos = cos.into_data().try_to_vec::<f32>().unwrap();
+            // Merge-block order: the second block of 2×2 starts at row 0, column 2.
+            let (row, column) = (0.0, 2.0);
+            for i in 0..quarter {
+                let inv_freq = f64::from(theta).powf(-((2 * i) as f64) / (hd / 2) as f64);
+                for (offset, position) in [(0, row), (quarter, column)] {
+                    let want = (position * inv_freq).cos();
+                    let got = f64::from(cos[4 * hd + offset + i]);
+                    assert!(
+                        (got - want).abs() <= 1e-6,
+                        "θ {theta}, i {i}: {got} vs {want}"
+                    );
+                }
+            }
+        }
     }
 }
