@@ -55,6 +55,13 @@ fn resolve(path: &Path) -> io::Result<(PathBuf, Option<Metadata>)> {
             "it names a folder (it ends with a separator)",
         ));
     }
+    // A device or pipe at the end of the links is opened through them: a link may name it
+    // in a way no path can (`/dev/stdout` → `/proc/self/fd/1` → `pipe:[…]`).
+    if let Ok(meta) = std::fs::metadata(path)
+        && !(meta.is_file() || meta.is_dir())
+    {
+        return Ok((path.to_owned(), Some(meta)));
+    }
     let mut target = path.to_owned();
     for _ in 0..MAX_LINKS {
         let link = match std::fs::symlink_metadata(&target) {

@@ -189,6 +189,53 @@ fn preprocess_writes_what_the_engine_feeds() {
     }
 }
 
+/// A named pipe and standard output piped to another process take the whole file, written in
+/// place. Before, checking a named pipe against the inputs opened it for reading and waited for
+/// a writer forever, and `/dev/stdout` was followed to a path that does not exist.
+#[cfg(unix)]
+#[test]
+fn outputs_to_pipes_are_written_whole() {
+    let dir = tempfile::TempDir::new().unwrap();
+    let square = fixture("images/square.png");
+    let file = dir.path().join("file.safetensors");
+    assert_success(&mmlora(&[
+        "preprocess",
+        &square,
+        "--out",
+        file.to_str().unwrap(),
+    ]));
+    let expected = std::fs::read(file).unwrap();
+
+    let fifo = dir.path().join("fifo");
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    let reader = {
+        let fifo = fifo.clone();
+        std::thread::spawn(move || std::fs::read(fifo).unwrap())
+    };
+    let mut child = Command::new(env!("CARGO_BIN_EXE_mmlora"))
+        .args(["preprocess", &square, "--out", fifo.to_str().unwrap()])
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > std::time::Duration::from_secs(60) {
+            child.kill().unwrap();
+            panic!("mmlora still writing the named pipe after 60 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(status.success());
+    assert_eq!(reader.join().unwrap(), expected);
+
+    let piped = mmlora(&["preprocess", &square, "--out", "/dev/stdout"]);
+    assert!(piped.status.success(), "{}", text(&piped.stderr));
+    assert_eq!(piped.stdout, expected);
+}
+
 #[test]
 fn devices_lists_what_wgpu_sees_and_what_mmlora_uses() {
     let stdout = assert_success(&mmlora(&["devices"]));

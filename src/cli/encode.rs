@@ -12,7 +12,7 @@ use mmlora::lora::ops::ShrinkKernel;
 use mmlora::model::gemm::LinearKernel;
 
 use super::output::{
-    OutputTensor, check_not_an_input, check_writable, files_in, write_safetensors,
+    OutputTensor, check_not_an_input, check_writable, files_in, report_to, write_safetensors,
 };
 use super::{CliError, default_model_dir};
 
@@ -102,11 +102,16 @@ pub fn run(args: EncodeArgs) -> Result<(), CliError> {
         write_results(out, &encoded, &model_dir, &engine)?;
     }
     let steps = encoded.iter().map(|e| e.step + 1).max().unwrap_or(0);
+    let report = report_to(args.out.as_deref());
     for result in &encoded {
-        println!("{}", summary_line(result, steps));
+        report(&summary_line(result, steps));
     }
     if let Some(out) = &args.out {
-        println!("wrote {} ({} requests)", out.display(), encoded.len());
+        let requests = match encoded.len() {
+            1 => "1 request".to_owned(),
+            n => format!("{n} requests"),
+        };
+        report(&format!("wrote {} ({requests})", out.display()));
     }
     Ok(())
 }

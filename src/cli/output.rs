@@ -77,8 +77,12 @@ pub fn check_writable(out: &Path) -> Result<(), CliError> {
 }
 
 /// Refuses an output that is one of `inputs`, by any path (writing the results would replace
-/// it).
+/// it). Only an existing regular file can be: a device or a pipe is written in place, and
+/// comparing one would open it, which for a named pipe waits for a writer.
 pub fn check_not_an_input(out: &Path, inputs: &[PathBuf]) -> Result<(), CliError> {
+    if !std::fs::metadata(out).is_ok_and(|meta| meta.is_file()) {
+        return Ok(());
+    }
     match inputs
         .iter()
         .find(|input| same_file::is_same_file(out, input).unwrap_or(false))
@@ -91,6 +95,36 @@ pub fn check_not_an_input(out: &Path, inputs: &[PathBuf]) -> Result<(), CliError
         ))),
         None => Ok(()),
     }
+}
+
+/// Where the run's report lines go: stdout, or stderr where `out` is stdout itself
+/// (`--out /dev/stdout`), which must then hold the file's bytes alone.
+pub fn report_to(out: Option<&Path>) -> impl Fn(&str) {
+    let on_stderr = out.is_some_and(is_stdout);
+    move |line| match on_stderr {
+        true => eprintln!("{line}"),
+        false => println!("{line}"),
+    }
+}
+
+/// Whether `path` is the file this process's standard output writes to.
+#[cfg(unix)]
+fn is_stdout(path: &Path) -> bool {
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::MetadataExt;
+    let ours = std::io::stdout()
+        .as_fd()
+        .try_clone_to_owned()
+        .and_then(|fd| std::fs::File::from(fd).metadata());
+    match (std::fs::metadata(path), ours) {
+        (Ok(out), Ok(ours)) => (out.dev(), out.ino()) == (ours.dev(), ours.ino()),
+        _ => false,
+    }
+}
+
+#[cfg(not(unix))]
+fn is_stdout(_: &Path) -> bool {
+    false
 }
 
 /// The files directly in `folder` (none where it cannot be read: loading it says why).

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use mmlora::preprocess::{PreprocessConfig, load_image, preprocess};
 
-use super::output::{OutputTensor, check_not_an_input, files_in, write_safetensors};
+use super::output::{OutputTensor, check_not_an_input, files_in, report_to, write_safetensors};
 use super::{CliError, default_model_dir};
 
 /// Arguments of `mmlora preprocess`.
@@ -43,13 +43,13 @@ pub fn run(args: PreprocessArgs) -> Result<(), CliError> {
         ],
         HashMap::from([("image".to_owned(), args.image.display().to_string())]),
     )?;
-    println!(
+    report_to(Some(&args.out))(&format!(
         "{}: grid {:?} → {} patches of {} values; wrote {}",
         args.image.display(),
         patches.grid_thw,
         patches.rows(),
         config.patch_len(),
         args.out.display()
-    );
+    ));
     Ok(())
 }
