@@ -102,7 +102,7 @@ pub enum LinearKernel {
     /// The fastest for each shape of the device's candidates (`burn` and `tiled` on a hardware
     /// GPU, and `coop` in f16 where it runs; `wgsl` and `burn` on a software one), timed on the
     /// device the first time a product of that shape runs, each output checked against Burn's
-    /// product in f32 first ([`LinearKernel::candidates`], [`crate::model::linear_choice`]).
+    /// product in f32 first (the `linear_choice` module).
     Timed,
     /// Burn's matmul, then the bias added.
     Burn,
@@ -110,13 +110,13 @@ pub enum LinearKernel {
     /// is a multiple of 4 (else Burn's).
     Wgsl,
     /// `shaders/linear_tiled.wgsl` (blocks in workgroup memory, for hardware GPUs), where every
-    /// width is a multiple of 4 and the device's workgroups take its [`TILED_WORKGROUP`]
-    /// invocations (else Burn's).
+    /// width is a multiple of 4 and the device's workgroups take its 256 invocations (else
+    /// Burn's).
     Tiled,
     /// `shaders/linear_coop.wgsl` (cooperative matrices: tensor cores) for f16 tensors, where
     /// every width is a multiple of 4 and the device's subgroups and workgroups fit the kernel
     /// (else Burn's). Only for a device that offers cooperative matrices (`mmlora devices`
-    /// says, from [`coop_subgroup`]): the engine refuses it elsewhere.
+    /// says): the engine refuses it elsewhere.
     Coop,
 }
 

@@ -44,7 +44,7 @@ const TILE: NonZeroUsize = NonZeroUsize::new(TILE_ROWS).expect("tiles hold rows"
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, clap::ValueEnum)]
 pub enum ShrinkKernel {
     /// `registers` on a software rasterizer (lavapipe), where it is measured faster; `split`
-    /// on a hardware GPU and on the CPU.
+    /// on a hardware GPU (the CPU backend has one shrink of its own).
     #[default]
     Auto,
     /// `shaders/lora_shrink.wgsl`: 64 threads per tile, each four rows by the whole rank block
