@@ -194,11 +194,7 @@ fn pick(
             return (LinearKernel::Burn, None);
         }
     };
-    let fastest = timings
-        .iter()
-        .filter_map(|t| t.outcome.as_ref().ok().map(|time| (time, t.kernel)))
-        .min_by_key(|&(time, _)| time)
-        .map_or(LinearKernel::Burn, |(_, kernel)| kernel);
+    let fastest = fastest(&timings);
     let times: Vec<String> = timings
         .iter()
         .map(|timing| match &timing.outcome {
@@ -221,6 +217,15 @@ fn pick(
     (fastest, Some(timings))
 }
 
+/// The fastest of the candidates that passed their check; Burn's matmul where none did.
+fn fastest(timings: &[Timing]) -> LinearKernel {
+    timings
+        .iter()
+        .filter_map(|t| t.outcome.as_ref().ok().map(|time| (time, t.kernel)))
+        .min_by_key(|&(time, _)| time)
+        .map_or(LinearKernel::Burn, |(_, kernel)| kernel)
+}
+
 /// Checks and times every candidate on these inputs (steps 1–3 of the module's doc); `None`
 /// where the batch cannot decide ([`Reference::new`]): nothing to check against.
 fn time_candidates(
@@ -240,13 +245,7 @@ fn time_candidates(
         let checked = match kernel {
             // What runs where no other kernel is taken: nothing to check it against.
             LinearKernel::Burn => Ok(()),
-            _ => match reference.disagreement(&output) {
-                Ok(ratio) if ratio <= 1.0 => Ok(()),
-                Ok(ratio) => Err(format!(
-                    "its output is off by {ratio:.3e} times the rounding bound"
-                )),
-                Err(error) => Err(format!("its launch failed: {error}")),
-            },
+            _ => reference.check(&output),
         };
         drop(output);
         let outcome = match checked {
@@ -337,6 +336,18 @@ impl Reference {
     /// plus that rounding's least (half the spacing of the dtype's subnormals: `2⁻²⁵` in f16;
     /// in f32 its smallest normal, `2⁻¹²⁶`, which holds a flushed subnormal too): at most 1 for
     /// a correct kernel. NaN (not `≤ 1`) where `output` has a NaN.
+    /// Whether a candidate's `output` may be timed: within the bound ([`Self::disagreement`]
+    /// at most 1), else why not.
+    fn check(&self, output: &Tensor<2>) -> Result<(), String> {
+        match self.disagreement(output) {
+            Ok(ratio) if ratio <= 1.0 => Ok(()),
+            Ok(ratio) => Err(format!(
+                "its output is off by {ratio:.3e} times the rounding bound"
+            )),
+            Err(error) => Err(format!("its launch failed: {error}")),
+        }
+    }
+
     fn disagreement(&self, output: &Tensor<2>) -> Result<f32, String> {
         let (unit_roundoff, least) = match output.dtype() {
             DType::F16 => (f32::powi(2.0, -11), f32::powi(2.0, -25)),
@@ -634,6 +645,36 @@ mod tests {
             let ratio = reference.disagreement(&off).unwrap();
             assert!(ratio > 2.0, "{}: ratio {ratio}", on.description);
         }
+    }
+
+    /// A candidate whose output is off, or NaN, is left out, and the pick is the fastest of
+    /// those left: the only guard against a miscompiled kernel on a hardware GPU.
+    #[test]
+    fn a_wrong_kernel_is_left_out_of_the_pick() {
+        let cpu = device::cpu();
+        let (x, weight_t, bias) = random(64, 96, 160, &cpu.device);
+        let reference = Reference::new(&x, &weight_t, Some(&bias)).unwrap().unwrap();
+        let right = linear(x.clone(), &weight_t, Some(&bias), LinearKernel::Burn);
+        assert_eq!(reference.check(&right), Ok(()));
+        // One element off by 1e-3 of the output's scale, far beyond f32's rounding.
+        let scale = read(right.clone().abs().max()).unwrap();
+        let nudge = Tensor::<2>::zeros([64, 160], &cpu.device)
+            .slice_assign([5..6, 7..8], Tensor::full([1, 1], 1e-3 * scale, &cpu.device));
+        for wrong in [right.clone() + nudge, right.clone() / 0.0 * 0.0] {
+            let why = reference.check(&wrong).unwrap_err();
+            assert!(why.contains("off by"), "{why}");
+        }
+
+        let timing = |kernel, outcome| Timing { kernel, outcome };
+        let ms = Duration::from_millis;
+        let timings = [
+            timing(LinearKernel::Burn, Ok(ms(5))),
+            timing(LinearKernel::Wgsl, Err("its output is off".to_owned())),
+            timing(LinearKernel::Tiled, Ok(ms(3))),
+        ];
+        assert_eq!(fastest(&timings), LinearKernel::Tiled);
+        assert_eq!(fastest(&timings[..2]), LinearKernel::Burn);
+        assert_eq!(fastest(&timings[1..2]), LinearKernel::Burn);
     }
 
     #[test]
