@@ -658,8 +658,10 @@ mod tests {
         assert_eq!(reference.check(&right), Ok(()));
         // One element off by 1e-3 of the output's scale, far beyond f32's rounding.
         let scale = read(right.clone().abs().max()).unwrap();
-        let nudge = Tensor::<2>::zeros([64, 160], &cpu.device)
-            .slice_assign([5..6, 7..8], Tensor::full([1, 1], 1e-3 * scale, &cpu.device));
+        let nudge = Tensor::<2>::zeros([64, 160], &cpu.device).slice_assign(
+            [5..6, 7..8],
+            Tensor::full([1, 1], 1e-3 * scale, &cpu.device),
+        );
         for wrong in [right.clone() + nudge, right.clone() / 0.0 * 0.0] {
             let why = reference.check(&wrong).unwrap_err();
             assert!(why.contains("off by"), "{why}");

@@ -390,7 +390,7 @@ mod tests {
     use super::super::{LoraSlice, lora_apply};
     use super::*;
     use crate::device;
-    use crate::lora::meta::NO_SLOT;
+    use crate::lora::meta::{KernelMeta, NO_SLOT};
     use crate::model::gemm::LinearShader;
     use crate::wgsl::validate_and_translate;
     use proptest::prelude::*;
@@ -502,6 +502,32 @@ mod tests {
                     check_f16(problem, gpu, shrink);
                 }
             }
+        }
+    }
+
+    /// More tiles than one dispatch dimension takes run in several launches, each from its
+    /// own first tile: the rows of the second launch get their deltas too.
+    #[test]
+    fn tiles_beyond_one_dispatch_run_in_several_launches() {
+        let rows = crate::wgsl::MAX_WORKGROUPS_PER_DIM as usize * TILE_ROWS + 5 * TILE_ROWS + 3;
+        // Two slots, so the second launch starts inside the second slot's segment.
+        let token_slots: Vec<i32> = (0..rows).map(|r| i32::from(r >= rows / 3)).collect();
+        let tiles = KernelMeta::from_token_slots(token_slots.clone(), 2)
+            .unwrap()
+            .tiles(TILE)
+            .count();
+        assert!(
+            tiles > crate::wgsl::MAX_WORKGROUPS_PER_DIM as usize,
+            "{tiles} tiles"
+        );
+        let problem = Problem {
+            in_features: 4,
+            slices: vec![(4, 1)],
+            slots: 2,
+            token_slots,
+        };
+        for shrink in [ShrinkKernel::Split, ShrinkKernel::Registers] {
+            check(&problem, shrink);
         }
     }
 
