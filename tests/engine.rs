@@ -14,7 +14,7 @@ use mmlora::engine::{
 };
 use mmlora::lora::ops::ShrinkKernel;
 use mmlora::model::gemm::{self, LinearKernel};
-use mmlora::preprocess::PreprocessConfig;
+use mmlora::preprocess::{Patches, PreprocessConfig};
 
 const ADAPTERS: [&str; 4] = ["all-r4", "patterns", "rslora-r8", "tower-r2"];
 
@@ -56,6 +56,40 @@ fn assert_matches_fixtures(requests: &[Request], results: &[Encoded], rel_tol: f
                 result.adapter
             );
         }
+    }
+}
+
+/// The fixture batch and, after it, patches of two frames (grid t = 2, as a video's: each
+/// frame attends within itself and takes the rotary table again) with all-r4.
+fn with_frames() -> Vec<Request> {
+    let expected = Expected::load();
+    let (pixel_values, _) = expected.f32("frames.pixel_values");
+    let grid = expected.i64("frames.image_grid_thw");
+    let mut requests = fixture_requests();
+    requests.push(Request {
+        id: "frames".to_owned(),
+        image: ImageSource::Patches(Patches {
+            pixel_values,
+            grid_thw: [0, 1, 2].map(|i| grid[i] as usize),
+        }),
+        adapter: Some("all-r4".to_owned()),
+    });
+    requests
+}
+
+#[test]
+fn two_frames_match_peft_beside_images_on_cpu_and_wgpu() {
+    let requests = with_frames();
+    let mut devices = vec![device::cpu()];
+    devices.extend(device::gpu_for_tests());
+    for on in devices {
+        let results = engine(&on, EngineOptions::default())
+            .encode(&requests, true)
+            .unwrap();
+        // Tolerance: rel. Frobenius 1e-5 on the CPU, 1e-4 on wgpu (GPU summation order), max
+        // abs 1e-4, as for the images.
+        let rel_tol = if on.wgpu.is_some() { 1e-4 } else { 1e-5 };
+        assert_matches_fixtures(&requests, &results, rel_tol, &on.description);
     }
 }
 

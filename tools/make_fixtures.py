@@ -191,6 +191,18 @@ def main():
                 out = visual(pixel_values, grid_thw=grid)
         expected[f"request{i}.tower"] = out.last_hidden_state.contiguous()
         expected[f"request{i}.embeds"] = out.pooler_output.contiguous()
+    # Patches of two frames (grid t = 2), as a video's would be: each frame its own attention
+    # segment, the rotary table repeated per frame. Drawn after everything above, so the
+    # other fixtures do not move.
+    grid = torch.tensor([[2, 4, 6]])
+    pixel_values = torch.randn(2 * 4 * 6, 3 * VISION["temporal_patch_size"] * 14 * 14, generator=generator)
+    peft_model.set_adapter("all-r4")
+    with torch.no_grad():
+        out = visual(pixel_values, grid_thw=grid)
+    expected["frames.pixel_values"] = pixel_values.contiguous()
+    expected["frames.image_grid_thw"] = grid.contiguous()
+    expected["frames.tower"] = out.last_hidden_state.contiguous()
+    expected["frames.embeds"] = out.pooler_output.contiguous()
     save_file(expected, ROOT / "expected.safetensors")
     # The mixed batch in `mmlora encode --batch` form (paths relative to this file).
     batch = {
