@@ -174,4 +174,19 @@ mod tests {
             );
         }
     }
+
+    /// A grayscale and an Adobe CMYK JPEG written by Pillow 11.3, each against Pillow's own
+    /// `Image.open(f).convert("RGB")` saved as PNG beside it: the same pixels exactly.
+    #[test]
+    fn grayscale_and_cmyk_decode_as_pillow_converts_them() {
+        let root = env!("CARGO_MANIFEST_DIR");
+        for name in ["gray", "cmyk"] {
+            let jpeg = std::fs::read(format!("{root}/tests/data/{name}.jpg")).unwrap();
+            let ours = decode_rgb(&jpeg, 1 << 20).unwrap_or_else(|e| panic!("{name}: {e:?}"));
+            let pillow = image::open(format!("{root}/tests/data/{name}-pillow.png"))
+                .unwrap()
+                .to_rgb8();
+            assert!(ours == pillow, "{name}.jpg differs from Pillow's RGB");
+        }
+    }
 }
