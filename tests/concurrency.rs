@@ -169,8 +169,9 @@ fn encoding_while_adapters_are_swapped_on_wgpu() {
     let Some(gpu) = device::gpu_for_tests() else {
         return;
     };
-    // Tolerance: rel. Frobenius 1e-4 (GPU kernels on other batch shapes).
-    encode_while_swapping(&gpu, 8, 1e-4);
+    // Tolerance: rel. Frobenius 1e-5, as in tests/soak.rs (kernels timed per shape on a
+    // hardware GPU may sum in another order for other batch shapes).
+    encode_while_swapping(&gpu, 8, 1e-5);
 }
 
 /// A panic inside the lock poisons the handle for every clone; `rebuild` opens the engine

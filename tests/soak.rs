@@ -174,6 +174,9 @@ fn every_request_in_a_random_batch_equals_itself_alone_on_wgpu() {
     let Some(gpu) = device::gpu_for_tests() else {
         return;
     };
-    // Tolerance: rel. Frobenius 1e-4 (GPU kernels may sum in another order for other shapes).
-    soak(&gpu, batches(60), 1e-4, 2);
+    // Tolerance: rel. Frobenius 1e-5. On a hardware GPU the kernels timed per shape may differ
+    // between a batch and a request alone, which changes only the f32 summation order (a few
+    // 1e-7 relative); a path in f16 or TF32 for some shapes would be 1e-4 or more. Lavapipe's
+    // runs agree within 1e-6.
+    soak(&gpu, batches(60), 1e-5, 2);
 }
