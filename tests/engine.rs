@@ -693,40 +693,79 @@ fn bad_requests_are_refused_before_anything_runs() {
 
 #[test]
 fn options_that_cannot_work_are_refused() {
-    for options in [
-        EngineOptions {
-            max_loras: 0,
-            ..EngineOptions::default()
-        },
-        EngineOptions {
-            max_loras: mmlora::engine::MAX_LORAS + 1,
-            max_cpu_adapters: mmlora::engine::MAX_LORAS + 1,
-            ..EngineOptions::default()
-        },
-        EngineOptions {
-            max_loras: 8,
-            max_cpu_adapters: 4,
-            ..EngineOptions::default()
-        },
-        EngineOptions {
-            max_rank: 0,
-            ..EngineOptions::default()
-        },
-        EngineOptions {
-            linear_kernel: LinearKernel::Wgsl,
-            ..EngineOptions::default()
-        },
-        EngineOptions {
-            linear_kernel: LinearKernel::Tiled,
-            ..EngineOptions::default()
-        },
-        EngineOptions {
-            lora_shrink: ShrinkKernel::Registers,
-            ..EngineOptions::default()
-        },
+    let default = EngineOptions::default;
+    for (options, says) in [
+        (
+            EngineOptions {
+                max_loras: 0,
+                ..default()
+            },
+            "max_loras must be in",
+        ),
+        (
+            EngineOptions {
+                max_loras: mmlora::engine::MAX_LORAS + 1,
+                max_cpu_adapters: mmlora::engine::MAX_LORAS + 1,
+                ..default()
+            },
+            "max_loras must be in",
+        ),
+        (
+            EngineOptions {
+                max_loras: 8,
+                max_cpu_adapters: 4,
+                ..default()
+            },
+            "max_cpu_adapters (4)",
+        ),
+        (
+            EngineOptions {
+                max_rank: 0,
+                ..default()
+            },
+            "max_rank must be in",
+        ),
+        (
+            EngineOptions {
+                max_rank: mmlora::lora::ops::MAX_RANK + 1,
+                ..default()
+            },
+            "max_rank must be in",
+        ),
+        (
+            EngineOptions {
+                max_step_rows: 0,
+                ..default()
+            },
+            "max_step_rows",
+        ),
+        (
+            EngineOptions {
+                linear_kernel: LinearKernel::Wgsl,
+                ..default()
+            },
+            "wgsl linear kernel needs a GPU",
+        ),
+        (
+            EngineOptions {
+                linear_kernel: LinearKernel::Tiled,
+                ..default()
+            },
+            "tiled linear kernel needs a GPU",
+        ),
+        (
+            EngineOptions {
+                lora_shrink: ShrinkKernel::Registers,
+                ..default()
+            },
+            "registers",
+        ),
     ] {
         let error = Engine::open(&fixture_dir(), device::cpu(), options).unwrap_err();
-        assert!(matches!(error, EngineError::Options(_)), "{error}");
+        assert!(
+            matches!(&error, EngineError::Options(m) if m.contains(says)),
+            "{says}: {error}"
+        );
     }
     // Slots and ranks whose stacked weights would not fit one buffer of the device: 64 slots
     // of rank 64 are 1.5 MiB at attn.qkv (96 outputs), 2 MiB at the MLP (128).
