@@ -184,12 +184,11 @@ fn a_poisoned_shared_engine_is_rebuilt_in_place() {
     let shared = SharedEngine::new(engine);
     shared.load_adapter("x", &adapter_dir("all-r4")).unwrap();
     let probe = [request("probe", "wide.jpg", Some("x"))];
-    let before = shared
-        .encode(&probe, false)
-        .unwrap()
-        .remove(0)
-        .embeds
-        .values;
+    let embeds = || {
+        let mut results = shared.encode(&probe, false).unwrap();
+        results.remove(0).embeds.values
+    };
+    let before = embeds();
 
     let clone = shared.clone();
     let panicked = std::thread::spawn(move || clone.with_engine(|_| panic!("poison")))
@@ -215,12 +214,7 @@ fn a_poisoned_shared_engine_is_rebuilt_in_place() {
     std::fs::write(&processor, original).unwrap();
     shared.rebuild(device::cpu()).unwrap();
     assert_eq!(shared.adapter_names().unwrap(), ["x"]);
-    let after = shared
-        .encode(&probe, false)
-        .unwrap()
-        .remove(0)
-        .embeds
-        .values;
+    let after = embeds();
     // Tolerance: rel. Frobenius 1e-6 (the same kernels on the same device).
     let (rel, _) = errors(&after, &before);
     assert!(rel <= 1e-6, "rel {rel:e}");
