@@ -168,3 +168,34 @@ fn a_single_file_checkpoint_with_the_old_prefix_loads_the_same_model() {
     fs::write(dir.join("model-00001-of-00002.safetensors"), b"stale").unwrap();
     embeds_of(&load_model(dir).unwrap()).assert_eq(&embeds_of(&old), true);
 }
+
+/// `Qwen2VisionTransformerPretrainedModel.save_pretrained`: the tower alone, its config's
+/// fields at the top (`model_type` `qwen2_vl_vision`) and its weights without a prefix.
+#[test]
+fn a_tower_saved_alone_loads_the_same_model() {
+    let tmp = TempDir::new().unwrap();
+    let dir = tmp.path();
+    let config: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(fixture_dir().join("config.json")).unwrap())
+            .unwrap();
+    let mut alone = config["vision_config"].clone();
+    alone["model_type"] = "qwen2_vl_vision".into();
+    fs::write(dir.join("config.json"), alone.to_string()).unwrap();
+    for shard in [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ] {
+        fs::copy(fixture_dir().join(shard), dir.join(shard)).unwrap();
+        rewrite_safetensors(&dir.join(shard), |n, d, s, b| {
+            match n.strip_prefix("model.visual.") {
+                Some(own) => keep(own, d, s, b),
+                None => Vec::new(), // the language model's tensor: not the tower's
+            }
+        });
+    }
+    let index = fs::read_to_string(fixture_dir().join("model.safetensors.index.json")).unwrap();
+    let index = index.replace("model.visual.", "");
+    fs::write(dir.join("model.safetensors.index.json"), index).unwrap();
+    let tower = load_model(dir).unwrap();
+    embeds_of(&tower).assert_eq(&embeds_of(&load_model(&fixture_dir()).unwrap()), true);
+}

@@ -113,6 +113,9 @@ struct ConfigFile {
     model_type: Option<String>,
     /// Read as [`RawVision`] once `model_type` says it is Qwen2-VL's.
     vision_config: Option<serde_json::Value>,
+    /// A tower saved alone (`qwen2_vl_vision`) has its fields at the top.
+    #[serde(flatten)]
+    top: serde_json::Map<String, serde_json::Value>,
 }
 
 /// Errors reading `config.json`.
@@ -149,20 +152,23 @@ impl VisionConfig {
             reason,
         };
         let file: ConfigFile = serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
-        match file.model_type.as_deref() {
-            Some("qwen2_vl") => {}
+        let (raw, at) = match file.model_type.as_deref() {
+            Some("qwen2_vl") => (
+                file.vision_config
+                    .ok_or_else(|| invalid("no vision_config".to_owned()))?,
+                "vision_config: ",
+            ),
+            // The tower saved alone (`Qwen2VisionTransformerPretrainedModel`).
+            Some("qwen2_vl_vision") => (serde_json::Value::Object(file.top), ""),
             other => {
                 return Err(invalid(format!(
-                    "model_type is {}; mmlora runs qwen2_vl",
+                    "model_type is {}; mmlora runs qwen2_vl (or its tower alone, \
+                     qwen2_vl_vision)",
                     other.unwrap_or("missing")
                 )));
             }
-        }
-        let raw = file
-            .vision_config
-            .ok_or_else(|| invalid("no vision_config".to_owned()))?;
-        let raw =
-            RawVision::deserialize(raw).map_err(|e| invalid(format!("vision_config: {e}")))?;
+        };
+        let raw = RawVision::deserialize(raw).map_err(|e| invalid(format!("{at}{e}")))?;
         if let Some(rope_type) = raw
             .rope_parameters
             .as_ref()

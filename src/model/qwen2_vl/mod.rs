@@ -114,15 +114,17 @@ pub struct Qwen2VlVision {
 }
 
 impl Qwen2VlVision {
-    /// Loads the vision weights of the checkpoint in `dir` (`visual.*` or `model.visual.*`).
+    /// Loads the vision weights of the checkpoint in `dir` (`model.visual.*`, `visual.*`, or
+    /// the tower's own names where it was saved alone).
     pub fn load(dir: &Path, device: &Device) -> Result<Self, ModelError> {
         let config = VisionConfig::from_model_dir(dir)?;
         let mut ckpt = Checkpoint::open(dir)?;
-        let prefix = if ckpt.has_prefix("model.visual.") {
-            "model.visual."
-        } else {
-            "visual."
-        };
+        // transformers 5's `model.visual.`, 4's `visual.`, or none for the tower saved alone;
+        // with none of them, the missing weights are named as transformers 4 spells them.
+        let prefix = ["model.visual.", "visual.", ""]
+            .into_iter()
+            .find(|prefix| ckpt.has_prefix(&format!("{prefix}blocks.")))
+            .unwrap_or("visual.");
         // Per block: 2 norms and 4 linears (weight + bias each); merger: 1 norm, 2 linears.
         ckpt.show_progress((config.depth * 12 + 7) as u64);
         Self::build(
