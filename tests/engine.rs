@@ -387,7 +387,7 @@ fn an_output_beyond_f16_fails_the_step_naming_the_request() {
 
 /// Attention scores whose unscaled products f16 cannot hold, scaled within it: in f16 the
 /// rotated `q` carries the scale, so the step runs (an unscaled `q·kᵀ` was infinite, and the
-/// step failed as not finite).
+/// step failed as not finite) and stays close to the same model in f32.
 #[test]
 fn f16_attention_scales_q_before_its_product_with_k() {
     let Some(gpu) = f16_gpu() else {
@@ -410,17 +410,23 @@ fn f16_attention_scales_q_before_its_product_with_k() {
     let results = engine_on(&model, &gpu, options)
         .encode(&fixture_requests(), true)
         .unwrap();
-    for result in &results {
+    // The same model in f32: scores this large make each softmax nearly one-hot, and f16's
+    // rounding of them (16 at 30 000) rarely changes which key wins.
+    let in_f32 = engine_on(&model, &gpu, EngineOptions::default())
+        .encode(&fixture_requests(), true)
+        .unwrap();
+    for (result, want) in results.iter().zip(&in_f32) {
         let tower = result.tower.as_ref().unwrap();
-        assert!(
-            tower
-                .values
-                .iter()
-                .chain(&result.embeds.values)
-                .all(|v| v.is_finite()),
-            "{}",
-            result.id
-        );
+        let tower_f32 = &want.tower.as_ref().unwrap().values;
+        for (name, got, want) in [
+            ("tower", &tower.values, tower_f32),
+            ("embeds", &result.embeds.values, &want.embeds.values),
+        ] {
+            // Tolerance: rel. Frobenius 4e-3, the f16 bound against PEFT's f32 above (measured
+            // here on lavapipe: 0.8e-3 to 1.2e-3 on the embeddings).
+            let (rel, _) = errors(got, want);
+            assert!(rel <= 4e-3, "{} {name}: rel {rel:e}", result.id);
+        }
     }
 }
 
