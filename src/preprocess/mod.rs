@@ -361,8 +361,9 @@ impl PreprocessConfig {
 
     /// The first setting (key and why) whose value the processor cannot run, if any: sizes of
     /// 0, a patch grid beyond [`MAX_FACTOR`] pixels a side or [`MAX_TEMPORAL_PATCH`] frames,
-    /// `min_pixels` above `max_pixels` or an image's limit, factors that are not positive
-    /// numbers.
+    /// `min_pixels` above an image's limit, factors that are not positive numbers. A
+    /// `min_pixels` above `max_pixels` runs as in transformers: an image over `max_pixels`
+    /// shrinks, any other under `min_pixels` grows.
     pub fn unusable_setting(&self) -> Option<(&'static str, String)> {
         let sizes = [
             ("min_pixels", self.min_pixels),
@@ -400,15 +401,6 @@ impl PreprocessConfig {
                 format!(
                     "{} is above the {MAX_DECODED_PIXELS} pixels an image may have",
                     self.min_pixels
-                ),
-            ));
-        }
-        if self.min_pixels > self.max_pixels {
-            return Some((
-                "min_pixels",
-                format!(
-                    "{} is above max_pixels {}",
-                    self.min_pixels, self.max_pixels
                 ),
             ));
         }
@@ -913,6 +905,13 @@ mod tests {
         // Too few: scaled up, ceiled.
         let (h, w) = smart_resize(30, 30, 28, 3136, 1_003_520).unwrap();
         assert!(h * w >= 3136 && h % 28 == 0, "{h}×{w}");
+        // min_pixels above max_pixels, as transformers takes it: over the maximum shrinks
+        // (and stays under it), anything else under the minimum grows past it.
+        let (min, max) = (28 * 28 * 20, 28 * 28 * 8);
+        let (h, w) = smart_resize(1000, 1000, 28, min, max).unwrap();
+        assert!(h * w <= max, "{h}×{w}");
+        let (h, w) = smart_resize(56, 56, 28, min, max).unwrap();
+        assert!(h * w >= min, "{h}×{w}");
         assert!(smart_resize(10, 3000, 28, 3136, 1_003_520).is_err());
         assert!(smart_resize(0, 30, 28, 3136, 1_003_520).is_err());
     }
@@ -1129,7 +1128,6 @@ mod tests {
             (r#"{"do_convert_rgb": false}"#, "do_convert_rgb"),
             (r#"{"size": {"shortest_edge": 3136}}"#, "size"),
             (r#"{"min_pixels": 0}"#, "min_pixels"),
-            (r#"{"min_pixels": 4000, "max_pixels": 3000}"#, "min_pixels"),
             (r#"{"merge_size": 0}"#, "merge_size"),
             (r#"{"patch_size": 100000}"#, "patch_size"),
             (r#"{"patch_size": 9223372036854775807}"#, "patch_size"),
