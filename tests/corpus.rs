@@ -412,13 +412,13 @@ fn cases() -> Vec<Case> {
             },
         ),
         case(
-            "processor resamples otherwise",
+            "processor resamples with nearest",
             Model,
-            &["preprocessor_config.json", "resample"],
+            &["preprocessor_config.json", "resample", "is 0"],
             |d| {
                 model(d, |m| {
                     edit_json(&m.join("preprocessor_config.json"), |p| {
-                        p["resample"] = 2.into()
+                        p["resample"] = 0.into()
                     })
                 })
             },

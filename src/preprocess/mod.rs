@@ -1,9 +1,10 @@
 //! The Qwen2-VL image processor: the same numbers as Hugging Face's PIL-flavoured
 //! `Qwen2VLImageProcessor` (see `DESIGN.md`, "Preprocessing").
 //!
-//! decode → RGB → smart_resize to multiples of `patch · merge` → bicubic resize exactly as
-//! Pillow does it on `uint8` → ×1/255 → CLIP mean/std → two identical frames → patches
-//! flattened merge-block-major, each row laid out `[C][T][patch][patch]`.
+//! decode → RGB → smart_resize to multiples of `patch · merge` → resize (bicubic unless the
+//! config names another of Pillow's filters) exactly as Pillow does it on `uint8` → ×1/255 →
+//! CLIP mean/std → two identical frames → patches flattened merge-block-major, each row laid
+//! out `[C][T][patch][patch]`.
 
 mod jpeg;
 
@@ -31,6 +32,93 @@ pub struct PreprocessConfig {
     pub image_mean: [f32; 3],
     /// Per-channel standard deviation divided by after subtracting the mean.
     pub image_std: [f32; 3],
+    /// The filter images are resized with.
+    pub resample: Resample,
+}
+
+/// Pillow's resampling filters that resize by convolution, by their `resample` numbers
+/// (nearest, 0, is not one: Pillow resizes with it by another path).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resample {
+    /// 1.
+    Lanczos,
+    /// 2.
+    Bilinear,
+    /// 3, the processor's default.
+    Bicubic,
+    /// 4.
+    Box,
+    /// 5.
+    Hamming,
+}
+
+impl Resample {
+    /// The filter Pillow numbers `number`, if it resizes by convolution.
+    pub fn from_pil(number: u32) -> Option<Self> {
+        Some(match number {
+            1 => Self::Lanczos,
+            2 => Self::Bilinear,
+            3 => Self::Bicubic,
+            4 => Self::Box,
+            5 => Self::Hamming,
+            _ => return None,
+        })
+    }
+
+    /// How far from its centre the filter reaches, in input pixels at scale 1.
+    fn support(self) -> f64 {
+        match self {
+            Self::Box => 0.5,
+            Self::Bilinear | Self::Hamming => 1.0,
+            Self::Bicubic => 2.0,
+            Self::Lanczos => 3.0,
+        }
+    }
+
+    /// The filter's weight at `x` (Pillow's `Resample.c`, constants as there: Hamming's are
+    /// C `float`s).
+    fn weight(self, x: f64) -> f64 {
+        let sinc = |x: f64| {
+            if x == 0.0 {
+                1.0
+            } else {
+                (x * std::f64::consts::PI).sin() / (x * std::f64::consts::PI)
+            }
+        };
+        match self {
+            Self::Box => f64::from(u8::from(x > -0.5 && x <= 0.5)),
+            Self::Bilinear => (1.0 - x.abs()).max(0.0),
+            Self::Hamming => {
+                let x = x.abs();
+                if x == 0.0 {
+                    1.0
+                } else if x >= 1.0 {
+                    0.0
+                } else {
+                    let x = x * std::f64::consts::PI;
+                    x.sin() / x * (f64::from(0.54f32) + f64::from(0.46f32) * x.cos())
+                }
+            }
+            Self::Bicubic => {
+                const A: f64 = -0.5;
+                let x = x.abs();
+                if x < 1.0 {
+                    ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
+                } else if x < 2.0 {
+                    (((x - 5.0) * x + 8.0) * x - 4.0) * A
+                } else {
+                    0.0
+                }
+            }
+            Self::Lanczos => {
+                if (-3.0..3.0).contains(&x) {
+                    sinc(x) * sinc(x / 3.0)
+                } else {
+                    0.0
+                }
+            }
+        }
+    }
 }
 
 impl Default for PreprocessConfig {
@@ -45,6 +133,7 @@ impl Default for PreprocessConfig {
             rescale_factor: 1.0 / 255.0,
             image_mean: [0.481_454_66, 0.457_827_5, 0.408_210_73],
             image_std: [0.268_629_54, 0.261_302_6, 0.275_777_1],
+            resample: Resample::Bicubic,
         }
     }
 }
@@ -117,9 +206,6 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>, P
             source,
         })
 }
-
-/// Pillow's number for bicubic resampling, the only filter mmlora implements.
-const PIL_BICUBIC: u32 = 3;
 
 #[derive(Debug, Deserialize)]
 struct SizeField {
@@ -314,6 +400,10 @@ impl PreprocessConfig {
                 Some(false) => [1.0; 3],
                 _ => file.image_std.unwrap_or(default.image_std),
             },
+            resample: file
+                .resample
+                .and_then(Resample::from_pil)
+                .unwrap_or(default.resample),
         }
     }
 
@@ -327,10 +417,13 @@ impl PreprocessConfig {
         if let Some((key, _)) = switches.iter().find(|(_, on)| *on == Some(false)) {
             return Some((key, "is false; mmlora always runs that step".to_owned()));
         }
-        if let Some(filter) = file.resample.filter(|&f| f != PIL_BICUBIC) {
+        if let Some(filter) = file.resample.filter(|&f| Resample::from_pil(f).is_none()) {
             return Some((
                 "resample",
-                format!("is {filter}; mmlora resizes bicubic ({PIL_BICUBIC}) only"),
+                format!(
+                    "is {filter}; mmlora resizes with Pillow's convolution filters (1 Lanczos, \
+                     2 bilinear, 3 bicubic, 4 box, 5 Hamming)"
+                ),
             ));
         }
         // transformers takes `size` whole: a key it lacks is not filled in from the defaults.
@@ -696,7 +789,7 @@ pub fn preprocess(image: &RgbImage, config: &PreprocessConfig) -> Result<Patches
     let resized = if (width, height) == (image.width() as usize, image.height() as usize) {
         image.clone()
     } else {
-        resize_bicubic(image, width, height)
+        resize(image, width, height, config.resample)
     };
 
     // ×rescale_factor in f64 then f32, then (x − mean) / std in f32, as transformers' numpy path does.
@@ -758,25 +851,12 @@ pub fn patch_positions([t, h, w]: [usize; 3], merge: usize) -> Vec<[usize; 3]> {
 /// Pillow's fixed-point precision for 8-bit resampling.
 const PRECISION_BITS: u32 = 32 - 8 - 2;
 
-/// Pillow's bicubic kernel (a = −0.5), support 2.
-fn bicubic(x: f64) -> f64 {
-    const A: f64 = -0.5;
-    let x = x.abs();
-    if x < 1.0 {
-        ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
-    } else if x < 2.0 {
-        (((x - 5.0) * x + 8.0) * x - 4.0) * A
-    } else {
-        0.0
-    }
-}
-
 /// For each output position: the first input index and the fixed-point weights of the inputs
 /// it reads (Pillow's `precompute_coeffs` + `normalize_coeffs_8bpc`).
-fn coefficients(in_size: usize, out_size: usize) -> Vec<(usize, Vec<i32>)> {
+fn coefficients(in_size: usize, out_size: usize, filter: Resample) -> Vec<(usize, Vec<i32>)> {
     let scale = in_size as f64 / out_size as f64;
     let filter_scale = scale.max(1.0);
-    let support = 2.0 * filter_scale;
+    let support = filter.support() * filter_scale;
     let inverse_scale = 1.0 / filter_scale; // multiplied, not divided, as Pillow does
     (0..out_size)
         .map(|xx| {
@@ -784,7 +864,7 @@ fn coefficients(in_size: usize, out_size: usize) -> Vec<(usize, Vec<i32>)> {
             let xmin = ((center - support + 0.5) as i64).max(0) as usize;
             let xmax = ((center + support + 0.5) as i64).min(in_size as i64) as usize;
             let weights: Vec<f64> = (xmin..xmax)
-                .map(|x| bicubic((x as f64 - center + 0.5) * inverse_scale))
+                .map(|x| filter.weight((x as f64 - center + 0.5) * inverse_scale))
                 .collect();
             let total: f64 = weights.iter().sum();
             let fixed = weights
@@ -805,12 +885,12 @@ fn clip8(value: i32) -> u8 {
     (value >> PRECISION_BITS).clamp(0, 255) as u8
 }
 
-/// Pillow's bicubic resize of an 8-bit RGB image: a horizontal pass over the rows the vertical
-/// pass reads, then the vertical pass, each rounding to bytes.
-fn resize_bicubic(image: &RgbImage, width: usize, height: usize) -> RgbImage {
+/// Pillow's resize of an 8-bit RGB image with `filter`: a horizontal pass over the rows the
+/// vertical pass reads, then the vertical pass, each rounding to bytes.
+fn resize(image: &RgbImage, width: usize, height: usize, filter: Resample) -> RgbImage {
     let (in_w, in_h) = (image.width() as usize, image.height() as usize);
-    let horizontal = coefficients(in_w, width);
-    let vertical = coefficients(in_h, height);
+    let horizontal = coefficients(in_w, width, filter);
+    let vertical = coefficients(in_h, height, filter);
     let first_row = vertical[0].0;
     let last_row = vertical
         .last()
@@ -917,11 +997,37 @@ mod tests {
     }
 
     #[test]
-    fn bicubic_weights_sum_to_one_in_fixed_point() {
-        for (inp, out) in [(100, 56), (56, 100), (37, 28), (28, 28)] {
-            for (_, weights) in coefficients(inp, out) {
-                let sum: i64 = weights.iter().map(|&w| i64::from(w)).sum();
-                assert!((sum - (1 << PRECISION_BITS)).abs() <= weights.len() as i64);
+    fn weights_sum_to_one_in_fixed_point() {
+        for filter in (1..=5).filter_map(Resample::from_pil) {
+            for (inp, out) in [(100, 56), (56, 100), (37, 28), (28, 28)] {
+                for (_, weights) in coefficients(inp, out, filter) {
+                    let sum: i64 = weights.iter().map(|&w| i64::from(w)).sum();
+                    assert!((sum - (1 << PRECISION_BITS)).abs() <= weights.len() as i64);
+                }
+            }
+        }
+    }
+
+    /// Every filter against Pillow 11.3's `Image.resize(size, resample=n, reducing_gap=None)`
+    /// of the fixture's 56×84 `square.png`, down (37×61) and up (90×130), saved as PNG: the
+    /// same bytes.
+    #[test]
+    fn every_filter_resizes_as_pillow_does() {
+        let root = env!("CARGO_MANIFEST_DIR");
+        let square = image::open(format!("{root}/assets/tiny-qwen2-vl/images/square.png"))
+            .unwrap()
+            .to_rgb8();
+        let names = ["lanczos", "bilinear", "bicubic", "box", "hamming"];
+        for (number, name) in (1..=5).zip(names) {
+            let filter = Resample::from_pil(number).unwrap();
+            for (width, height) in [(37, 61), (90, 130)] {
+                let file = format!("{root}/tests/data/square-{name}-{width}x{height}.png");
+                let pillow = image::open(&file).unwrap().to_rgb8();
+                let ours = resize(&square, width, height, filter);
+                assert!(
+                    ours == pillow,
+                    "{name} to {width}×{height} differs from Pillow's"
+                );
             }
         }
     }
@@ -1096,10 +1202,12 @@ mod tests {
         // Steps switched off are factors that change nothing.
         write(
             "preprocessor_config.json",
-            r#"{"do_rescale": false, "do_normalize": false, "rescale_factor": 0.5}"#,
+            r#"{"do_rescale": false, "do_normalize": false, "rescale_factor": 0.5,
+                "resample": 2}"#,
         );
         let config = read().unwrap();
         assert_eq!(config.rescale_factor, 1.0);
+        assert_eq!(config.resample, Resample::Bilinear);
         assert_eq!((config.image_mean, config.image_std), ([0.0; 3], [1.0; 3]));
         // Malformed values are refused naming the file and saying why.
         for (json, why) in [
@@ -1123,7 +1231,7 @@ mod tests {
             PreprocessConfig::from_model_dir(dir.path())
         };
         for (json, key) in [
-            (r#"{"resample": 2}"#, "resample"),
+            (r#"{"resample": 0}"#, "resample"),
             (r#"{"do_resize": false}"#, "do_resize"),
             (r#"{"do_convert_rgb": false}"#, "do_convert_rgb"),
             (r#"{"size": {"shortest_edge": 3136}}"#, "size"),
