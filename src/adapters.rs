@@ -22,7 +22,7 @@ use safetensors::SafeTensors;
 use serde::Deserialize;
 
 use crate::lora::ops::LoraSlice;
-use crate::model::checkpoint::float_values;
+use crate::model::checkpoint::{float_values, safetensors_failure};
 use crate::model::qwen2_vl::{LoraTarget, Qwen2VlVision};
 
 /// `target_modules`: a list of module-name suffixes or one regex.
@@ -76,7 +76,8 @@ pub struct AdapterConfig {
     #[serde(default)]
     pub init_lora_weights: Option<serde_json::Value>,
     /// Variants whose forward is not `x·Aᵀ·Bᵀ·scale` on every row (refused): activated LoRA
-    /// (`alora_invocation_tokens`), block-diagonal LoRA (`use_bdlora`), KaSA (`kasa_config`).
+    /// (`alora_invocation_tokens`), block-diagonal LoRA (`use_bdlora`), KaSA (`kasa_config`),
+    /// Arrow (`arrow_config`).
     #[serde(default)]
     pub alora_invocation_tokens: Option<serde_json::Value>,
     /// See `alora_invocation_tokens`.
@@ -85,6 +86,9 @@ pub struct AdapterConfig {
     /// See `alora_invocation_tokens`.
     #[serde(default)]
     pub kasa_config: Option<serde_json::Value>,
+    /// Arrow's routing of each row over several adapters (refused, as the variants above).
+    #[serde(default)]
+    pub arrow_config: Option<serde_json::Value>,
 }
 
 /// One module's LoRA with the scale folded into B.
@@ -215,7 +219,7 @@ impl PeftAdapter {
         )
         .map_err(|reason| unsupported(&config_path, reason))?;
         let file = SafeTensors::deserialize(bytes)
-            .map_err(|e| format_error(name, &weights_path, e.to_string()))?;
+            .map_err(|e| format_error(name, &weights_path, safetensors_failure(bytes, e)))?;
         let by_path: HashMap<&str, &LoraTarget> =
             targets.iter().map(|t| (t.path.as_str(), t)).collect();
         let incompatible = |key: &str, reason: String| AdapterError::Incompatible {
@@ -486,10 +490,14 @@ impl AdapterConfig {
         if self.use_dora {
             return Some("DoRA (use_dora) is not supported".to_owned());
         }
-        let set = |value: &Option<serde_json::Value>| {
-            value
-                .as_ref()
-                .is_some_and(|v| !(v.is_null() || v == &serde_json::json!(false)))
+        // Set as Python's truth test takes it: not None, False, 0, "", [] or {}.
+        let set = |value: &Option<serde_json::Value>| match value {
+            None | Some(serde_json::Value::Null) => false,
+            Some(serde_json::Value::Bool(on)) => *on,
+            Some(serde_json::Value::Number(n)) => n.as_f64() != Some(0.0),
+            Some(serde_json::Value::String(s)) => !s.is_empty(),
+            Some(serde_json::Value::Array(a)) => !a.is_empty(),
+            Some(serde_json::Value::Object(o)) => !o.is_empty(),
         };
         let variants = [
             (
@@ -507,6 +515,11 @@ impl AdapterConfig {
                 "kasa_config",
                 &self.kasa_config,
                 "KaSA truncates the base weights, which adapters sharing one base cannot do",
+            ),
+            (
+                "arrow_config",
+                &self.arrow_config,
+                "Arrow routes each row over several adapters, which one slot per row cannot do",
             ),
         ];
         if let Some((key, _, why)) = variants.iter().find(|(_, value, _)| set(value)) {
@@ -971,6 +984,27 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(error.contains("modules_to_save"), "{error}");
+    }
+
+    /// LoRA variants whose forward differs are refused when set as Python's truth test takes
+    /// it, and served as plain LoRA when not.
+    #[test]
+    fn lora_variants_are_refused_when_set() {
+        let [a, b] = pair("model.visual.", "blocks.0.attn.qkv");
+        for (field, value) in [
+            ("arrow_config", r#"{"top_k": 2}"#),
+            ("alora_invocation_tokens", "[5, 6]"),
+            ("use_bdlora", r#"{"nblocks": 2}"#),
+            ("kasa_config", "{\"x\": 1}"),
+        ] {
+            let config = format!(r#"{{"r": 2, "lora_alpha": 2, "{field}": {value}}}"#);
+            let error = load(&config, &[&a, &b]).unwrap_err().to_string();
+            assert!(error.contains(field), "{error}");
+            for unset in ["null", "false", "[]", "{}"] {
+                let config = format!(r#"{{"r": 2, "lora_alpha": 2, "{field}": {unset}}}"#);
+                assert!(load(&config, &[&a, &b]).is_ok(), "{field}: {unset}");
+            }
+        }
     }
 
     /// Another PEFT method is named as such, though its config lacks LoRA's fields.

@@ -64,9 +64,12 @@ fn encode_while_swapping(on: &RuntimeDevice, rounds: usize, rel_tol: f64) {
     let (served, unknown) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     // How many batches served each content of `swap`.
     let by_content = Arc::new(CONTENTS.map(|_| AtomicUsize::new(0)));
+    // Swaps made so far: a worker starts round r only after r + 1 of them, so the swapper
+    // keeps pace however the lock is handed out.
+    let swapped = Arc::new(AtomicUsize::new(0));
     std::thread::scope(|scope| {
         let swapper = {
-            let (shared, done) = (shared.clone(), done.clone());
+            let (shared, done, swapped) = (shared.clone(), done.clone(), swapped.clone());
             scope.spawn(move || {
                 let mut swaps = 0;
                 while !done.load(Ordering::Relaxed) {
@@ -78,6 +81,7 @@ fn encode_while_swapping(on: &RuntimeDevice, rounds: usize, rel_tol: f64) {
                             .load_adapter("swap", &adapter_dir(CONTENTS[swaps % 2]))
                             .unwrap();
                     }
+                    swapped.store(swaps, Ordering::Relaxed);
                 }
                 swaps
             })
@@ -86,9 +90,12 @@ fn encode_while_swapping(on: &RuntimeDevice, rounds: usize, rel_tol: f64) {
             .map(|t| {
                 let (shared, expected) = (shared.clone(), &expected);
                 let (served, unknown) = (served.clone(), unknown.clone());
-                let by_content = by_content.clone();
+                let (by_content, swapped) = (by_content.clone(), swapped.clone());
                 scope.spawn(move || {
                     for round in 0..rounds {
+                        while swapped.load(Ordering::Relaxed) <= round {
+                            std::thread::yield_now();
+                        }
                         let image = images[(t + round) % 2];
                         let batch = [
                             request("swap", image, Some("swap")),

@@ -412,6 +412,24 @@ fn cases() -> Vec<Case> {
             },
         ),
         case(
+            "nested processor merges otherwise",
+            Model,
+            &["processor_config.json", "merge_size is 1"],
+            |d| {
+                model(d, |m| {
+                    // transformers 5 nests a saved processor's settings, read before
+                    // preprocessor_config.json, whose merge_size stays right.
+                    let mut settings: serde_json::Value = serde_json::from_str(
+                        &std::fs::read_to_string(m.join("preprocessor_config.json")).unwrap(),
+                    )
+                    .unwrap();
+                    settings["merge_size"] = 1.into();
+                    let processor = serde_json::json!({"image_processor": settings});
+                    std::fs::write(m.join("processor_config.json"), processor.to_string()).unwrap()
+                })
+            },
+        ),
+        case(
             "processor resamples with nearest",
             Model,
             &["preprocessor_config.json", "resample", "is 0"],
@@ -535,6 +553,19 @@ fn cases() -> Vec<Case> {
                         }
                         tensors
                     })
+                })
+            },
+        ),
+        case(
+            "adapter weights never fetched from Git LFS",
+            Adapter,
+            &[ADAPTER_WEIGHTS, "Git LFS pointer"],
+            |d| {
+                adapter(d, "all-r4", |a| {
+                    let pointer = "version https://git-lfs.github.com/spec/v1\n\
+                                   oid sha256:9b74c9897bac770ffc029102a200c5de1f3e4e8f9d5c04d2b8d1a7a0c1e3b5a7\n\
+                                   size 86016\n";
+                    std::fs::write(a.join(ADAPTER_WEIGHTS), pointer).unwrap()
                 })
             },
         ),
@@ -937,7 +968,7 @@ fn cli(target: Target, path: &Path, out: &Path) -> std::process::Output {
 fn every_bad_input_is_a_typed_error_and_the_engine_keeps_serving() {
     let cases = cases();
     // As many as README.md counts, so that no case goes missing unnoticed.
-    assert_eq!(cases.len(), 65, "the corpus has {} cases", cases.len());
+    assert_eq!(cases.len(), 67, "the corpus has {} cases", cases.len());
     let mut serving = Serving::new();
     let mut failures = Vec::new();
     for (i, case) in cases.iter().enumerate() {

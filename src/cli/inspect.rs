@@ -39,9 +39,13 @@ pub fn run(args: InspectArgs) -> Result<(), CliError> {
         }
     );
     match &config.target_modules {
+        Some(TargetModules::List(names)) if names.is_empty() => println!("target_modules: (none)"),
         Some(TargetModules::List(names)) => println!("target_modules: {}", names.join(", ")),
         Some(TargetModules::Regex(regex)) => println!("target_modules: regex {regex}"),
         None => println!("target_modules: (not given)"),
+    }
+    if let Some(parameters) = config.target_parameters.as_ref().filter(|p| !p.is_empty()) {
+        println!("target_parameters: {}", parameters.join(", "));
     }
     for (label, pattern) in [
         ("rank_pattern", format!("{:?}", config.rank_pattern)),

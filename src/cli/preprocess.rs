@@ -13,7 +13,8 @@ use super::{CliError, default_model_dir};
 pub struct PreprocessArgs {
     /// The image.
     image: PathBuf,
-    /// The model folder whose `preprocessor_config.json` applies; default: the bundled model.
+    /// The model folder whose image processor settings apply (`processor_config.json`'s, else
+    /// `preprocessor_config.json`'s); default: the bundled model.
     #[arg(long)]
     model: Option<PathBuf>,
     /// Where to write `pixel_values` (f32) and `image_grid_thw` (i64).

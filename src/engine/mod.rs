@@ -282,7 +282,8 @@ impl Engine {
         let model = Qwen2VlVision::load(model_dir, &device.device)?;
         if let Err(reason) = check_consistent(&preprocess, model.config()) {
             return Err(EngineError::Inconsistent {
-                path: model_dir.join("preprocessor_config.json"),
+                // Where the processor's settings came from; the folder where they are defaults.
+                path: PreprocessConfig::file_in(model_dir).unwrap_or_else(|| model_dir.to_owned()),
                 reason,
             });
         }
@@ -1048,7 +1049,7 @@ fn check_consistent(preprocess: &PreprocessConfig, config: &VisionConfig) -> Res
         .find(|(_, processor, model)| processor != model)
     {
         Some((field, processor, model)) => Err(format!(
-            "{field} is {processor} but config.json's vision_config has {model}"
+            "{field} is {processor} but the model's config.json has {model}"
         )),
         None => Ok(()),
     }

@@ -95,11 +95,13 @@ impl SharedEngine {
     /// [`Engine::rebuild`] in place, for every clone of this handle: after
     /// [`EngineError::DeviceLost`], or a panic that poisoned the lock, the engine is opened
     /// again from its model folder on `device`, with the same adapters, and the next call of
-    /// any clone runs on it. On an error the handle keeps the engine it had. The folder must
+    /// any clone runs on it. After a panic, the adapters are those registered when it struck
+    /// (a panic inside a registry change, which no input causes, could leave that change
+    /// half made). On an error the handle keeps the engine it had. The folder must
     /// still hold the same model: one whose vision or image-processor config changed is
     /// refused, since the handle decodes images and checks adapters against the old ones.
     pub fn rebuild(&self, device: RuntimeDevice) -> Result<(), EngineError> {
-        // A poisoned engine is replaced whole, so its state need not be trusted.
+        // A poisoned engine is replaced; its options, model folder and adapters carry over.
         let mut engine = self
             .inner
             .engine

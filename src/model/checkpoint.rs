@@ -1,8 +1,9 @@
-//! Hugging Face safetensors checkpoints: one file or shards with `model.safetensors.index.json`.
+//! Hugging Face safetensors checkpoints: one file or shards with `model.safetensors.index.json`
+//! (the single file first, as transformers takes it).
 //!
 //! Files are memory-mapped and only the tensors asked for are converted, so the language
-//! model's shards of a VLM checkpoint are never read. `f32`, `f16` and `bf16` on disk become
-//! `f32` tensors.
+//! model's shards of a VLM checkpoint are never read. `f64`, `f32`, `f16` and `bf16` on disk
+//! become `f32` tensors.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -167,11 +168,7 @@ impl Checkpoint {
         let bytes = &self.maps[path];
         SafeTensors::deserialize(bytes).map_err(|e| CheckpointError::Format {
             path: path.to_owned(),
-            reason: if bytes.starts_with(b"version https://git-lfs") {
-                "a Git LFS pointer, not the weights: fetch them (`git lfs pull`)".to_owned()
-            } else {
-                e.to_string()
-            },
+            reason: safetensors_failure(bytes, e),
         })
     }
 
@@ -220,6 +217,16 @@ impl Checkpoint {
             self.progress.finish_and_clear();
         }
         Ok(Tensor::from_data(TensorData::new(values, shape), device))
+    }
+}
+
+/// Why `bytes` that failed to parse as safetensors did: a Git LFS pointer (a repository
+/// cloned without fetching its large files) is named as one, anything else by `error`.
+pub fn safetensors_failure(bytes: &[u8], error: impl std::fmt::Display) -> String {
+    if bytes.starts_with(b"version https://git-lfs") {
+        "a Git LFS pointer, not the weights: fetch them (`git lfs pull`)".to_owned()
+    } else {
+        error.to_string()
     }
 }
 

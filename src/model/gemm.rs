@@ -1273,7 +1273,7 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
             return;
         };
         let mut dtypes = vec![DType::F32];
-        if coop_subgroup(&gpu).is_none() && gpu.supports(crate::device::Precision::F16) {
+        if coop_subgroup(&gpu).is_none() && device::f16_for_tests(&gpu) {
             dtypes.push(DType::F16);
         }
         let d = &gpu.device;

@@ -331,11 +331,6 @@ impl Reference {
         Ok(Some(Self { product, bound }))
     }
 
-    /// The largest `|output − product| / allowed` over the elements, `allowed` the bound plus
-    /// the rounding of `output` to its dtype (f16's `2⁻¹¹`, taken of `|output| + |product|`)
-    /// plus that rounding's least (half the spacing of the dtype's subnormals: `2⁻²⁵` in f16;
-    /// in f32 its smallest normal, `2⁻¹²⁶`, which holds a flushed subnormal too): at most 1 for
-    /// a correct kernel. NaN (not `≤ 1`) where `output` has a NaN.
     /// Whether a candidate's `output` may be timed: within the bound ([`Self::disagreement`]
     /// at most 1), else why not.
     fn check(&self, output: &Tensor<2>) -> Result<(), String> {
@@ -348,6 +343,11 @@ impl Reference {
         }
     }
 
+    /// The largest `|output − product| / allowed` over the elements, `allowed` the bound plus
+    /// the rounding of `output` to its dtype (f16's `2⁻¹¹`, taken of `|output| + |product|`)
+    /// plus that rounding's least (half the spacing of the dtype's subnormals: `2⁻²⁵` in f16;
+    /// in f32 its smallest normal, `2⁻¹²⁶`, which holds a flushed subnormal too): at most 1 for
+    /// a correct kernel. NaN (not `≤ 1`) where `output` has a NaN.
     fn disagreement(&self, output: &Tensor<2>) -> Result<f32, String> {
         let (unit_roundoff, least) = match output.dtype() {
             DType::F16 => (f32::powi(2.0, -11), f32::powi(2.0, -25)),
@@ -616,7 +616,7 @@ mod tests {
     #[test]
     fn the_check_passes_a_correctly_rounded_f16_subnormal() {
         for on in devices() {
-            if !on.supports(crate::device::Precision::F16) {
+            if !dtypes(&on).contains(&DType::F16) {
                 continue;
             }
             let d = &on.device;

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use image::{DynamicImage, ImageDecoder, ImageFormat, ImageReader, Limits, RgbImage};
 use serde::Deserialize;
 
-/// The processor's settings, as in a model folder's `preprocessor_config.json`.
+/// The processor's settings, as a model folder gives them ([`PreprocessConfig::from_model_dir`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PreprocessConfig {
     /// Fewest pixels after resizing.
@@ -367,6 +367,11 @@ impl PreprocessConfig {
             Some((key, reason)) => Err(PreprocessError::Setting { path, key, reason }),
             None => Ok(config),
         }
+    }
+
+    /// The file in `dir` that [`Self::from_model_dir`] reads the settings from, if any.
+    pub fn file_in(dir: &Path) -> Option<PathBuf> {
+        settings_file(dir).ok().flatten().map(|(path, _)| path)
     }
 
     /// The file's settings, with the defaults where it has none.

@@ -73,17 +73,50 @@ struct RawVision {
     spatial_merge_size: Option<usize>,
     temporal_patch_size: Option<usize>,
     hidden_act: Option<String>,
-    /// transformers 5's spelling; `rope_theta` beside it is the older one.
-    rope_parameters: Option<RopeParameters>,
+    /// The rotary embedding's parameters: transformers takes `rope_scaling` over
+    /// `rope_parameters`, and `rope_theta` beside them where they lack it.
+    rope_scaling: Option<serde_json::Map<String, serde_json::Value>>,
+    rope_parameters: Option<serde_json::Map<String, serde_json::Value>>,
     rope_theta: Option<f32>,
 }
 
-/// The vision rotary embedding's parameters.
-#[derive(Deserialize)]
-struct RopeParameters {
-    rope_theta: Option<f32>,
-    #[serde(alias = "type")]
-    rope_type: Option<String>,
+impl RawVision {
+    /// The rotary base, and where it was read (for errors), or why the rotary embedding is
+    /// not the tower's axial one. transformers reads `rope_type` (else `type`) and takes
+    /// `default` for `axial`, as old checkpoints write it.
+    fn rope_theta(&self) -> Result<(f32, String), String> {
+        let params = [
+            ("rope_scaling", &self.rope_scaling),
+            ("rope_parameters", &self.rope_parameters),
+        ]
+        .into_iter()
+        .find_map(|(name, params)| Some((name, params.as_ref()?)));
+        let from_top = || {
+            (
+                self.rope_theta.unwrap_or(DEFAULT_ROPE_THETA),
+                "rope_theta".to_owned(),
+            )
+        };
+        let Some((name, params)) = params else {
+            return Ok(from_top());
+        };
+        let rope_type = params.get("rope_type").or_else(|| params.get("type"));
+        match rope_type.and_then(|t| t.as_str()).unwrap_or("default") {
+            "default" | "axial" => {}
+            other => {
+                return Err(format!(
+                    "{name}.rope_type is {other}; the tower's rotary embedding is axial"
+                ));
+            }
+        }
+        let Some(theta) = params.get("rope_theta") else {
+            return Ok(from_top());
+        };
+        match theta.as_f64() {
+            Some(value) => Ok((value as f32, format!("{name}.rope_theta"))),
+            None => Err(format!("{name}.rope_theta is {theta}, not a number")),
+        }
+    }
 }
 
 impl From<RawVision> for VisionConfig {
@@ -99,11 +132,7 @@ impl From<RawVision> for VisionConfig {
             spatial_merge_size: raw.spatial_merge_size.unwrap_or(2),
             temporal_patch_size: raw.temporal_patch_size.unwrap_or(2),
             hidden_act: raw.hidden_act.unwrap_or_else(|| "quick_gelu".to_owned()),
-            rope_theta: raw
-                .rope_parameters
-                .and_then(|rope| rope.rope_theta)
-                .or(raw.rope_theta)
-                .unwrap_or(DEFAULT_ROPE_THETA),
+            rope_theta: DEFAULT_ROPE_THETA,
         }
     }
 }
@@ -152,13 +181,14 @@ impl VisionConfig {
             reason,
         };
         let file: ConfigFile = serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        // The vision fields, and the path to them for errors to name keys by.
         let (raw, at) = match file.model_type.as_deref() {
             Some("qwen2_vl") => (
                 file.vision_config
                     .ok_or_else(|| invalid("no vision_config".to_owned()))?,
-                "vision_config: ",
+                "vision_config.",
             ),
-            // The tower saved alone (`Qwen2VisionTransformerPretrainedModel`).
+            // The tower saved alone (`Qwen2VisionTransformerPretrainedModel`): at the top.
             Some("qwen2_vl_vision") => (serde_json::Value::Object(file.top), ""),
             other => {
                 return Err(invalid(format!(
@@ -168,28 +198,25 @@ impl VisionConfig {
                 )));
             }
         };
-        let raw = RawVision::deserialize(raw).map_err(|e| invalid(format!("{at}{e}")))?;
-        if let Some(rope_type) = raw
-            .rope_parameters
-            .as_ref()
-            .and_then(|r| r.rope_type.as_ref())
-            && rope_type != "axial"
-        {
-            return Err(invalid(format!(
-                "vision_config.rope_parameters.rope_type is {rope_type}; the tower's rotary \
-                 embedding is axial"
-            )));
-        }
-        let config = VisionConfig::from(raw);
+        let section = at
+            .strip_suffix('.')
+            .map(|s| format!("{s}: "))
+            .unwrap_or_default();
+        let raw = RawVision::deserialize(raw).map_err(|e| invalid(format!("{section}{e}")))?;
+        let (rope_theta, theta_key) = raw.rope_theta().map_err(|e| invalid(format!("{at}{e}")))?;
+        let config = VisionConfig {
+            rope_theta,
+            ..VisionConfig::from(raw)
+        };
         if !(config.rope_theta.is_finite() && config.rope_theta > 0.0) {
             return Err(invalid(format!(
-                "vision_config.rope_parameters.rope_theta is {}, not a positive number",
+                "{at}{theta_key} is {}, not a positive number",
                 config.rope_theta
             )));
         }
         if let Some((field, value, max)) = config.out_of_range() {
             return Err(invalid(format!(
-                "vision_config.{field} is {value}, outside 1..={max}"
+                "{at}{field} is {value}, outside 1..={max}"
             )));
         }
         if !config.embed_dim.is_multiple_of(config.num_heads)
@@ -317,13 +344,45 @@ mod tests {
             theta(r#", "rope_parameters": {"rope_theta": 50.0, "rope_type": "axial"}"#),
             50.0
         );
+        // As transformers 5.23 saves a config given `type`: both keys; `default` is axial for
+        // old checkpoints; `rope_scaling` wins over `rope_parameters`.
+        let both =
+            r#", "rope_parameters": {"rope_theta": 20.0, "rope_type": "axial", "type": "axial"}"#;
+        assert_eq!(theta(both), 20.0);
+        assert_eq!(
+            theta(r#", "rope_parameters": {"type": "default"}, "rope_theta": 30.0"#),
+            30.0
+        );
+        assert_eq!(
+            theta(
+                r#", "rope_scaling": {"rope_theta": 40.0}, "rope_parameters": {"rope_theta": 5.0}"#
+            ),
+            40.0
+        );
         for (extra, says) in [
-            (r#", "rope_parameters": {"rope_type": "yarn"}"#, "yarn"),
-            (r#", "rope_parameters": {"rope_theta": -1.0}"#, "-1"),
+            (
+                r#", "rope_parameters": {"rope_type": "yarn"}"#,
+                "vision_config.rope_parameters.rope_type is yarn",
+            ),
+            (
+                r#", "rope_parameters": {"rope_theta": -1.0}"#,
+                "vision_config.rope_parameters.rope_theta is -1",
+            ),
+            (r#", "rope_theta": -1.0"#, "vision_config.rope_theta is -1"),
         ] {
             let error = with(extra).unwrap_err().to_string();
             assert!(error.contains(says), "{extra}: {error}");
         }
+    }
+
+    /// A tower saved alone has its fields at the top, and errors name them there.
+    #[test]
+    fn a_tower_alone_is_read_from_the_top() {
+        let tower = r#"{"model_type": "qwen2_vl_vision", "depth": 2, "embed_dim": 32,
+            "num_heads": 2, "hidden_size": 48, "rope_parameters": {"rope_theta": 10000.0}}"#;
+        assert_eq!(parse(tower).unwrap().depth, 2);
+        let error = parse(&tower.replace(r#""depth": 2"#, r#""depth": 0"#)).unwrap_err();
+        assert!(error.to_string().contains(": depth is 0"), "{error}");
     }
 
     #[test]
