@@ -90,6 +90,10 @@ const BLOCKS_SHARD: &str = "model-00001-of-00002.safetensors";
 const MERGER_SHARD: &str = "model-00002-of-00002.safetensors";
 const ADAPTER_WEIGHTS: &str = "adapter_model.safetensors";
 const ADAPTER_CONFIG: &str = "adapter_config.json";
+/// What a clone without `git lfs` holds in place of a large file.
+const LFS_POINTER: &str = "version https://git-lfs.github.com/spec/v1\n\
+    oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n\
+    size 4398046511104\n";
 
 /// Replaces the bytes of tensor `key` in the safetensors file at `path`.
 fn poison(path: &Path, key: &'static str, value: f32) {
@@ -237,10 +241,7 @@ fn cases() -> Vec<Case> {
             &[BLOCKS_SHARD, "Git LFS pointer"],
             |d| {
                 model(d, |m| {
-                    let pointer = "version https://git-lfs.github.com/spec/v1\n\
-                                   oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n\
-                                   size 4398046511104\n";
-                    std::fs::write(m.join(BLOCKS_SHARD), pointer).unwrap()
+                    std::fs::write(m.join(BLOCKS_SHARD), LFS_POINTER).unwrap()
                 })
             },
         ),
@@ -562,10 +563,7 @@ fn cases() -> Vec<Case> {
             &[ADAPTER_WEIGHTS, "Git LFS pointer"],
             |d| {
                 adapter(d, "all-r4", |a| {
-                    let pointer = "version https://git-lfs.github.com/spec/v1\n\
-                                   oid sha256:9b74c9897bac770ffc029102a200c5de1f3e4e8f9d5c04d2b8d1a7a0c1e3b5a7\n\
-                                   size 86016\n";
-                    std::fs::write(a.join(ADAPTER_WEIGHTS), pointer).unwrap()
+                    std::fs::write(a.join(ADAPTER_WEIGHTS), LFS_POINTER).unwrap()
                 })
             },
         ),
