@@ -38,9 +38,6 @@ pub enum TargetModules {
 /// The fields of `adapter_config.json` mmlora reads.
 #[derive(Debug, Clone, Deserialize)]
 pub struct AdapterConfig {
-    /// `LORA`.
-    #[serde(default)]
-    pub peft_type: Option<String>,
     /// Default rank.
     pub r: usize,
     /// Default alpha.

@@ -119,20 +119,21 @@ impl RawVision {
     }
 }
 
-impl From<RawVision> for VisionConfig {
-    fn from(raw: RawVision) -> Self {
-        Self {
-            depth: raw.depth,
-            embed_dim: raw.embed_dim,
-            hidden_size: raw.hidden_size,
-            mlp_ratio: raw.mlp_ratio.unwrap_or(4),
-            num_heads: raw.num_heads,
-            in_channels: raw.in_channels.or(raw.in_chans).unwrap_or(3),
-            patch_size: raw.patch_size.or(raw.spatial_patch_size).unwrap_or(14),
-            spatial_merge_size: raw.spatial_merge_size.unwrap_or(2),
-            temporal_patch_size: raw.temporal_patch_size.unwrap_or(2),
-            hidden_act: raw.hidden_act.unwrap_or_else(|| "quick_gelu".to_owned()),
-            rope_theta: DEFAULT_ROPE_THETA,
+impl RawVision {
+    /// The config these fields give, with the rotary base read by [`Self::rope_theta`].
+    fn into_config(self, rope_theta: f32) -> VisionConfig {
+        VisionConfig {
+            depth: self.depth,
+            embed_dim: self.embed_dim,
+            hidden_size: self.hidden_size,
+            mlp_ratio: self.mlp_ratio.unwrap_or(4),
+            num_heads: self.num_heads,
+            in_channels: self.in_channels.or(self.in_chans).unwrap_or(3),
+            patch_size: self.patch_size.or(self.spatial_patch_size).unwrap_or(14),
+            spatial_merge_size: self.spatial_merge_size.unwrap_or(2),
+            temporal_patch_size: self.temporal_patch_size.unwrap_or(2),
+            hidden_act: self.hidden_act.unwrap_or_else(|| "quick_gelu".to_owned()),
+            rope_theta,
         }
     }
 }
@@ -204,10 +205,7 @@ impl VisionConfig {
             .unwrap_or_default();
         let raw = RawVision::deserialize(raw).map_err(|e| invalid(format!("{section}{e}")))?;
         let (rope_theta, theta_key) = raw.rope_theta().map_err(|e| invalid(format!("{at}{e}")))?;
-        let config = VisionConfig {
-            rope_theta,
-            ..VisionConfig::from(raw)
-        };
+        let config = raw.into_config(rope_theta);
         if !(config.rope_theta.is_finite() && config.rope_theta > 0.0) {
             return Err(invalid(format!(
                 "{at}{theta_key} is {}, not a positive number",
