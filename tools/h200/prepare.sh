@@ -20,6 +20,11 @@ if [ ${#missing[@]} -gt 0 ]; then
     (cd .gl && apt-get "${apt_opts[@]}" download "${missing[@]}")
 fi
 
+# The tests find their fixtures under the folder they were compiled in (`CARGO_MANIFEST_DIR`),
+# and cargo keeps binaries compiled from another clone sharing this target folder (CI's in
+# /tmp/ci, say) as fresh: touching the crate's root has them compiled here, under the path that
+# run.sh links on the device.
+touch src/lib.rs
 cargo build --release
 # name=path of each test binary the check runs (the library's unit tests hold the op tests),
 # and of the bench that times the linears alone in every kernel and precision (their FLOP/s).

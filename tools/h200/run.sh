@@ -2,7 +2,8 @@
 # The H200 check, in one device call, right after `bash tools/h200/prepare.sh` here (it packs the
 # binaries of the commit checked out; this script prints which):
 #   run(command="bash tools/h200/run.sh", carry=[".gl", ".device"], timeout_s=480)
-# That leaves a few minutes of the session's 15 for one more call on the still-warm machine.
+# That leaves a few minutes of the session's 15 for one more call, which can name the steps the
+# first had no time for: MMLORA_RUN_STEPS="linear-tests op-tests" bash tools/h200/run.sh
 # Rehearse it here first, on lavapipe with the tiny preset (the same unpacking, steps and flags,
 # small shapes, each step's limit four times as long, no cooperative matrices: the coop steps fail
 # there):
@@ -58,6 +59,11 @@ PY
 step() {
     local name=$1 limit=$(( $2 * slower )) left start rc
     shift 2
+    # $MMLORA_RUN_STEPS (names separated by spaces), when set, picks the steps to run: a second
+    # call runs those the first had no time for.
+    if [[ -n ${MMLORA_RUN_STEPS:-} && " $MMLORA_RUN_STEPS " != *" $name "* ]]; then
+        return
+    fi
     left=$(( deadline - $(date +%s) ))
     if (( left < 15 )); then
         echo "== $name: skipped, ${left} s of the budget left"
@@ -95,10 +101,7 @@ step torch-bf16 90 "${torch_bench[@]}" --dtype bfloat16
 # Burn's first, its picks logged at info), and the base with each kernel alone beside it.
 step linear-kernels 90 env RUST_LOG=mmlora=info \
     "${bench[@]}" --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto
-# How time and memory grow with images per batch and adapters loaded past 16 slots.
-step scale 150 "$bin/mmlora" bench --device gpu --json --scale "${shape[@]}" \
-    --scale-images 1,4,16,64 --scale-adapters 1,16,64 --linear-kernel burn
-# The f16 linears on cooperative matrices (the tensor cores), never run before on hardware.
+# The f16 linears on cooperative matrices (the tensor cores).
 step coop-f16 90 "${bench[@]}" --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 \
     --linear-kernel coop
 # Where the time goes: each stage clocked (products in TFLOP/s, against the fp32 ALU peak of ~67
@@ -122,6 +125,10 @@ step stages-f16 90 env RUST_LOG=mmlora=info \
     "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto --precision f16
 # The engine against transformers + PEFT, isolation and the rest, on a real driver.
 step engine-tests 180 "$bin/engine" --skip every_other_graphics_api
+# How time and memory grow with images per batch and adapters loaded past 16 slots (after the
+# tests: on 2026-12-04 its 150 s left them no time).
+step scale 150 "$bin/mmlora" bench --device gpu --json --scale "${shape[@]}" \
+    --scale-images 1,4,16,64 --scale-adapters 1,16,64 --linear-kernel burn
 # auto's timing per shape, on sizes up to 4 GiB, each pick checked first.
 step linear-choice-tests 90 env MMLORA_EXPECT_COOP=$expect_coop \
     "$bin/lib" model::linear_choice --nocapture
