@@ -522,6 +522,7 @@ fn bench_prints_one_json_object_per_configuration() {
             "median_ms",
             "img_per_s",
             "ratio_vs_base",
+            "attention_kernel",
         ] {
             assert!(!record[field].is_null(), "{field} missing in {record}");
         }

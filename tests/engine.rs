@@ -14,6 +14,7 @@ use mmlora::engine::{
 };
 use mmlora::lora::ops::ShrinkKernel;
 use mmlora::model::gemm::{self, LinearKernel};
+use mmlora::model::sdpa::AttentionKernel;
 use mmlora::preprocess::{Patches, PreprocessConfig};
 
 const ADAPTERS: [&str; 4] = ["all-r4", "patterns", "rslora-r8", "tower-r2"];
@@ -105,22 +106,33 @@ fn a_mixed_batch_from_image_files_matches_peft_on_cpu() {
     assert_matches_fixtures(&fixture_requests(), &results, 1e-5, &cpu.description);
 }
 
-/// With the default linears, and with the kernels timed per shape.
+/// With the default linears and attention, with the kernels timed per shape, and with Burn's
+/// attention.
 #[test]
 fn a_mixed_batch_from_image_files_matches_peft_on_wgpu() {
     let Some(gpu) = device::gpu_for_tests() else {
         return;
     };
-    for linear_kernel in [LinearKernel::Auto, LinearKernel::Timed] {
+    for (linear_kernel, attention_kernel) in [
+        (LinearKernel::Auto, AttentionKernel::Fused),
+        (LinearKernel::Timed, AttentionKernel::Fused),
+        (LinearKernel::Auto, AttentionKernel::Burn),
+    ] {
         let options = EngineOptions {
             linear_kernel,
+            attention_kernel,
             ..EngineOptions::default()
         };
         let results = engine(&gpu, options)
             .encode(&fixture_requests(), true)
             .unwrap();
         // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4.
-        let on = format!("{}, {} linears", gpu.description, linear_kernel.name());
+        let on = format!(
+            "{}, {} linears, {} attention",
+            gpu.description,
+            linear_kernel.name(),
+            attention_kernel.name()
+        );
         assert_matches_fixtures(&fixture_requests(), &results, 1e-4, &on);
     }
 }

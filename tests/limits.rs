@@ -1,5 +1,5 @@
-//! Limits: attention one image at a time or in query blocks equals attention of all images of
-//! one size together, steps capped by the device's
+//! Limits: Burn's attention one image at a time or in query blocks equals attention of all
+//! images of one size together, and so does the fused kernel; steps capped by the device's
 //! buffer limit split a batch without changing any result, and an image too large for one step
 //! is refused by name.
 
@@ -13,6 +13,7 @@ use mmlora::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, R
 use mmlora::lora::meta::{KernelMeta, NO_SLOT};
 use mmlora::lora::ops::LoraBatch;
 use mmlora::model::qwen2_vl::Qwen2VlVision;
+use mmlora::model::sdpa::AttentionKernel;
 
 /// The tiny model's widest row: one patch of 3 × 2 × 14 × 14 values, 4 bytes each.
 const TINY_ROW_BYTES: u64 = 1176 * 4;
@@ -38,10 +39,12 @@ fn encode(on: &RuntimeDevice) -> (Engine, Vec<Encoded>) {
 }
 
 /// Four images (three of 8 × 8 patches, one of 4 × 4 third) through a random tiny model, with
-/// attention taken whole (the three of one size in one batched launch sequence and the other on
-/// its own), one image at a time, and in blocks of 5 queries.
+/// Burn's attention (whose scores the limit bounds) taken whole (the three of one size in one
+/// batched launch sequence and the other on its own), one image at a time, and in blocks of 5
+/// queries; and with the fused kernel, which the limit does not split.
 fn attention_in_blocks(on: &RuntimeDevice, rel_tol: f64) {
     let mut model = Qwen2VlVision::random(Preset::Tiny.config(), &on.device);
+    model.set_attention_kernel(AttentionKernel::Burn);
     let heads = 2;
     let grids = [[1, 8, 8], [1, 8, 8], [1, 4, 4], [1, 8, 8]];
     let rows: usize = grids.iter().map(|g| g.iter().product::<usize>()).sum();
@@ -68,7 +71,13 @@ fn attention_in_blocks(on: &RuntimeDevice, rel_tol: f64) {
     // Scores of 5 queries over all 64 keys fit; 6 do not.
     model.set_buffer_limit((4 * heads * 64 * 5) as u64);
     let blocks = run(&model);
-    for (how, got) in [("one image at a time", apart), ("in query blocks", blocks)] {
+    model.set_attention_kernel(AttentionKernel::Fused);
+    let fused = run(&model);
+    for (how, got) in [
+        ("one image at a time", apart),
+        ("in query blocks", blocks),
+        ("fused", fused),
+    ] {
         let (rel, _) = errors(&got, &whole);
         assert!(rel <= rel_tol, "{how} on {}: rel {rel:e}", on.description);
     }
@@ -86,7 +95,8 @@ fn attention_apart_or_in_query_blocks_equals_attention_together_on_wgpu() {
     let Some(gpu) = device::gpu_for_tests() else {
         return;
     };
-    // Tolerance: rel. Frobenius 1e-5 (GPU matmul tiling differs between the shapes).
+    // Tolerance: rel. Frobenius 1e-5 (GPU matmul tiling differs between the shapes, and the
+    // fused kernel sums in another order).
     attention_in_blocks(&gpu, 1e-5);
 }
 

@@ -25,6 +25,7 @@ use crate::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Re
 use crate::lora::ops::ShrinkKernel;
 use crate::model::gemm::LinearKernel;
 use crate::model::qwen2_vl::{DEFAULT_ROPE_THETA, LoraTarget, Qwen2VlVision, VisionConfig};
+use crate::model::sdpa::AttentionKernel;
 use crate::preprocess::{Patches, PreprocessConfig, smart_resize};
 
 /// A model shape to benchmark.
@@ -91,6 +92,9 @@ pub struct BenchSpec {
     pub linear_kernel: LinearKernel,
     /// The LoRA shrink shader on a GPU.
     pub lora_shrink: ShrinkKernel,
+    /// Attention's implementation. With `Fused` on a GPU the base also runs with Burn's, to
+    /// compare them in one run.
+    pub attention_kernel: AttentionKernel,
 }
 
 /// The default image side on a software GPU (lavapipe): it runs the 2B tower about 6× slower
@@ -117,6 +121,7 @@ impl Default for BenchSpec {
             precision: Precision::F32,
             linear_kernel: LinearKernel::Auto,
             lora_shrink: ShrinkKernel::Auto,
+            attention_kernel: AttentionKernel::Fused,
         }
     }
 }
@@ -149,24 +154,30 @@ impl BenchSpec {
         })
     }
 
-    /// How this spec computes with `linear_kernel` for the linears.
-    fn compute(&self, linear_kernel: LinearKernel) -> Compute {
-        (self.precision, linear_kernel, self.lora_shrink)
+    /// How this spec computes with `linear_kernel` for the linears and `attention_kernel` for
+    /// attention.
+    fn compute(&self, linear_kernel: LinearKernel, attention_kernel: AttentionKernel) -> Compute {
+        (
+            self.precision,
+            linear_kernel,
+            self.lora_shrink,
+            attention_kernel,
+        )
     }
 
-    /// What this spec's configuration of `adapters` adapters of `rank` runs on `device`, its
-    /// linears computed by `linear_kernel`.
+    /// What this spec's configuration of `adapters` adapters of `rank` runs on `device`, as
+    /// `compute` says.
     fn setup(
         &self,
         device: &RuntimeDevice,
-        linear_kernel: LinearKernel,
+        compute: Compute,
         adapters: usize,
         rank: usize,
     ) -> RunSetup {
         RunSetup::new(
             device,
             self.preset,
-            self.compute(linear_kernel),
+            compute,
             self.images,
             self.side,
             adapters,
@@ -175,9 +186,9 @@ impl BenchSpec {
     }
 }
 
-/// How a configuration computes: its float type, its linears' kernel (resolved for the device)
-/// and its LoRA shrink shader.
-type Compute = (Precision, LinearKernel, ShrinkKernel);
+/// How a configuration computes: its float type, its linears' kernel (resolved for the device),
+/// its LoRA shrink shader and its attention's implementation.
+type Compute = (Precision, LinearKernel, ShrinkKernel, AttentionKernel);
 
 /// What a line of `mmlora bench` ran: the device, the model shape, the batch and the kernels
 /// (fields of the line itself in its JSON).
@@ -204,6 +215,9 @@ pub struct RunSetup {
     /// The LoRA shrink shader: `split` or `registers` (`None` on the CPU backend, which runs
     /// its own op).
     pub lora_shrink: Option<String>,
+    /// Attention's implementation: `burn` or `fused` (on the CPU backend both are its own
+    /// pass).
+    pub attention_kernel: String,
 }
 
 impl RunSetup {
@@ -212,7 +226,7 @@ impl RunSetup {
     fn new(
         device: &RuntimeDevice,
         preset: Preset,
-        (precision, linear_kernel, lora_shrink): Compute,
+        (precision, linear_kernel, lora_shrink, attention_kernel): Compute,
         images: usize,
         side: usize,
         adapters: usize,
@@ -229,6 +243,7 @@ impl RunSetup {
             precision: precision.name().to_owned(),
             linear_kernel: linear_kernel.name().to_owned(),
             lora_shrink: shrink_name(lora_shrink, device),
+            attention_kernel: attention_kernel.name().to_owned(),
         }
     }
 }
@@ -263,31 +278,30 @@ pub fn run(
     let model = Qwen2VlVision::random(config.clone(), &device.device);
     let requests = random_images(spec.images, spec.side, &config);
 
-    // (adapters, rank, linear kernel); the base with the chosen kernel first.
+    // (adapters, rank, how it computes); the base with the chosen kernels first.
     let kernel = spec.linear_kernel.resolve(device);
-    let mut configurations = vec![(0, 0, kernel)];
+    let compute = spec.compute(kernel, spec.attention_kernel);
+    let mut configurations = vec![(0, 0, compute)];
     for &rank in &spec.ranks {
-        configurations.extend(spec.adapters.iter().map(|&k| (k, rank, kernel)));
+        configurations.extend(spec.adapters.iter().map(|&k| (k, rank, compute)));
     }
     if spec.linear_kernel == LinearKernel::Auto {
         let others = LinearKernel::candidates(device, spec.precision.dtype());
         let others = others.iter().filter(|&&other| other != kernel);
-        configurations.extend(others.map(|&other| (0, 0, other)));
+        configurations
+            .extend(others.map(|&other| (0, 0, spec.compute(other, spec.attention_kernel))));
+    }
+    if spec.attention_kernel == AttentionKernel::Fused && device.wgpu.is_some() {
+        configurations.push((0, 0, spec.compute(kernel, AttentionKernel::Burn)));
     }
     let mut runs = Vec::with_capacity(configurations.len());
-    for &(adapters, rank, kernel) in &configurations {
+    for &(adapters, rank, compute) in &configurations {
         progress(&format!(
-            "preparing {adapters} adapters of rank {rank}, {} linears",
-            kernel.name()
+            "preparing {adapters} adapters of rank {rank}, {} linears, {} attention",
+            compute.1.name(),
+            compute.3.name()
         ));
-        let mut engine = engine_with_adapters(
-            &model,
-            device,
-            spec.compute(kernel),
-            adapters,
-            adapters,
-            rank,
-        )?;
+        let mut engine = engine_with_adapters(&model, device, compute, adapters, adapters, rank)?;
         let batch = mixed_batch(&requests, adapters, rank);
         let warm_up = engine.encode(&batch, false)?;
         runs.push((engine, batch, steps(&warm_up)));
@@ -306,11 +320,11 @@ pub fn run(
         .iter()
         .zip(&times)
         .zip(&runs)
-        .map(|((&(adapters, rank, kernel), own), &(_, _, steps))| {
+        .map(|((&(adapters, rank, compute), own), &(_, _, steps))| {
             let median_ms = median(own);
             BenchRecord {
                 kind: "throughput",
-                setup: spec.setup(device, kernel, adapters, rank),
+                setup: spec.setup(device, compute, adapters, rank),
                 steps,
                 median_ms,
                 img_per_s: spec.images as f64 / (median_ms / 1e3),
@@ -387,7 +401,7 @@ fn shrink_name(kernel: ShrinkKernel, device: &RuntimeDevice) -> Option<String> {
 fn engine_with_adapters(
     model: &Qwen2VlVision,
     device: &RuntimeDevice,
-    (precision, linear_kernel, lora_shrink): Compute,
+    (precision, linear_kernel, lora_shrink, attention_kernel): Compute,
     slots: usize,
     loaded: usize,
     rank: usize,
@@ -400,6 +414,7 @@ fn engine_with_adapters(
         precision,
         linear_kernel,
         lora_shrink,
+        attention_kernel,
     };
     let mut engine = Engine::with_model(
         model.clone(),

@@ -20,6 +20,7 @@ use crate::engine::{Engine, EngineError, Request};
 use crate::lora::ops::ShrinkKernel;
 use crate::model::gemm::LinearKernel;
 use crate::model::qwen2_vl::Qwen2VlVision;
+use crate::model::sdpa::AttentionKernel;
 
 /// What to sweep.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,6 +52,8 @@ pub struct ScaleSpec {
     pub linear_kernel: LinearKernel,
     /// The LoRA shrink shader on a GPU.
     pub lora_shrink: ShrinkKernel,
+    /// Attention's implementation.
+    pub attention_kernel: AttentionKernel,
 }
 
 /// Image side of the sweep by default: 64 images of it are 4096 tower rows.
@@ -74,6 +77,7 @@ impl Default for ScaleSpec {
             precision: Precision::F32,
             linear_kernel: LinearKernel::Auto,
             lora_shrink: ShrinkKernel::Auto,
+            attention_kernel: AttentionKernel::Fused,
         }
     }
 }
@@ -137,6 +141,7 @@ pub fn run(
             spec.precision,
             spec.linear_kernel.resolve(device),
             spec.lora_shrink,
+            spec.attention_kernel,
         ),
         model: &model,
         requests: &requests,
@@ -353,6 +358,7 @@ mod tests {
             precision: Precision::F32,
             linear_kernel: LinearKernel::Auto,
             lora_shrink: ShrinkKernel::Auto,
+            attention_kernel: AttentionKernel::Fused,
         };
         let records = run(&spec, &crate::device::cpu(), |_| (), |_| ()).unwrap();
         let seen: Vec<_> = records

@@ -68,7 +68,7 @@ pub fn run(
     model.set_stage_clock(clock.clone());
     let requests = random_images(spec.images, spec.side, &config);
     let kernel = spec.linear_kernel.resolve(device);
-    let compute = spec.compute(kernel);
+    let compute = spec.compute(kernel, spec.attention_kernel);
     let rank = spec.ranks.first().copied().unwrap_or(1);
     let mixed = spec.adapters.iter().copied().max().unwrap_or(1);
     let configurations = [(0, 0), (mixed, rank)];
@@ -116,7 +116,7 @@ pub fn run(
             let stages = lines(&clocked[i], &flop(&config, &grids, rank));
             StageProfile {
                 kind: "stages",
-                setup: spec.setup(device, kernel, adapters, rank),
+                setup: spec.setup(device, compute, adapters, rank),
                 plain_ms: median(&plain[2 * i]),
                 clocked_ms: stages.iter().map(|line| line.median_ms).sum(),
                 stages,

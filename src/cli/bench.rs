@@ -12,6 +12,7 @@ use mmlora::device::{self, DeviceChoice, Precision, RuntimeDevice};
 use mmlora::engine::MAX_LORAS;
 use mmlora::lora::ops::{MAX_RANK, ShrinkKernel};
 use mmlora::model::gemm::LinearKernel;
+use mmlora::model::sdpa::AttentionKernel;
 use mmlora::preprocess::MAX_DECODED_PIXELS;
 
 use super::CliError;
@@ -56,6 +57,11 @@ pub struct BenchArgs {
     /// one; either needs a GPU device).
     #[arg(long, value_enum, default_value = "auto")]
     lora_shrink: ShrinkKernel,
+    /// Attention's implementation (fused: one WGSL kernel on a GPU; burn: Burn's ops there;
+    /// on the CPU both are mmlora's own pass). With fused on a GPU the base also runs with
+    /// Burn's, to compare them in one run.
+    #[arg(long, value_enum, default_value = "fused")]
+    attention_kernel: AttentionKernel,
     /// One JSON object per configuration instead of a table.
     #[arg(long)]
     json: bool,
@@ -173,6 +179,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         precision: args.precision,
         linear_kernel: args.linear_kernel,
         lora_shrink: args.lora_shrink,
+        attention_kernel: args.attention_kernel,
     }
     .as_run()?;
     if spec.side != side {
@@ -200,16 +207,17 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         }
     } else {
         println!(
-            "{:>8} {:>5} {:>7} {:>9} {:>12} {:>10} {:>14}",
-            "adapters", "rank", "linear", "shrink", "median ms", "img/s", "vs base"
+            "{:>8} {:>5} {:>7} {:>9} {:>9} {:>12} {:>10} {:>14}",
+            "adapters", "rank", "linear", "shrink", "attention", "median ms", "img/s", "vs base"
         );
         for r in &records {
             println!(
-                "{:>8} {:>5} {:>7} {:>9} {:>12.1} {:>10.2} {:>13.3}×",
+                "{:>8} {:>5} {:>7} {:>9} {:>9} {:>12.1} {:>10.2} {:>13.3}×",
                 r.setup.adapters,
                 r.setup.rank,
                 r.setup.linear_kernel,
                 r.setup.lora_shrink.as_deref().unwrap_or("native"),
+                r.setup.attention_kernel,
                 r.median_ms,
                 r.img_per_s,
                 r.ratio_vs_base
@@ -275,10 +283,12 @@ fn run_stages(spec: &BenchSpec, runtime: &RuntimeDevice, json: bool) -> Result<(
             continue;
         }
         println!(
-            "\n{} adapters of rank {}, {} linears: plain pass {:.1} ms, clocked {:.1} ms",
+            "\n{} adapters of rank {}, {} linears, {} attention: plain pass {:.1} ms, clocked \
+             {:.1} ms",
             profile.setup.adapters,
             profile.setup.rank,
             profile.setup.linear_kernel,
+            profile.setup.attention_kernel,
             profile.plain_ms,
             profile.clocked_ms
         );
@@ -319,6 +329,7 @@ fn run_scale(args: BenchArgs, runtime: &RuntimeDevice) -> Result<(), CliError> {
         precision: args.precision,
         linear_kernel: args.linear_kernel,
         lora_shrink: args.lora_shrink,
+        attention_kernel: args.attention_kernel,
     };
     // JSON lines as each configuration is timed; the table once all are.
     let records = scale::run(

@@ -10,6 +10,7 @@ use mmlora::engine::batch::Batch;
 use mmlora::engine::{Encoded, Engine, EngineOptions, ImageSource, Request};
 use mmlora::lora::ops::ShrinkKernel;
 use mmlora::model::gemm::LinearKernel;
+use mmlora::model::sdpa::AttentionKernel;
 
 use super::output::{
     OutputTensor, check_not_an_input, check_writable, files_in, report_to, write_safetensors,
@@ -59,6 +60,10 @@ pub struct EncodeArgs {
     /// one; either needs a GPU device).
     #[arg(long, value_enum, default_value = "auto")]
     lora_shrink: ShrinkKernel,
+    /// Attention's implementation (fused: one WGSL kernel on a GPU; burn: Burn's ops there;
+    /// on the CPU both are mmlora's own pass).
+    #[arg(long, value_enum, default_value = "fused")]
+    attention_kernel: AttentionKernel,
 }
 
 /// Runs `mmlora encode`.
@@ -85,6 +90,7 @@ pub fn run(args: EncodeArgs) -> Result<(), CliError> {
         precision: args.precision,
         linear_kernel: args.linear_kernel,
         lora_shrink: args.lora_shrink,
+        attention_kernel: args.attention_kernel,
         ..EngineOptions::default()
     };
     let started = Instant::now();

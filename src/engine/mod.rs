@@ -37,6 +37,7 @@ use crate::mapping::{
 use crate::model::gemm::{self, LinearKernel};
 use crate::model::linear_choice::LinearChoice;
 use crate::model::qwen2_vl::{ModelError, Qwen2VlVision, VisionConfig};
+use crate::model::sdpa::AttentionKernel;
 use crate::preprocess::{Patches, PreprocessConfig, PreprocessError, load_image, preprocess};
 use plan::{PlanItem, plan_steps};
 
@@ -62,6 +63,8 @@ pub struct EngineOptions {
     pub linear_kernel: LinearKernel,
     /// Which shader computes the LoRA shrink on a GPU.
     pub lora_shrink: ShrinkKernel,
+    /// Which implementation computes attention (on the CPU backend both are its own pass).
+    pub attention_kernel: AttentionKernel,
 }
 
 impl Default for EngineOptions {
@@ -74,6 +77,7 @@ impl Default for EngineOptions {
             precision: Precision::F32,
             linear_kernel: LinearKernel::Auto,
             lora_shrink: ShrinkKernel::Auto,
+            attention_kernel: AttentionKernel::Fused,
         }
     }
 }
@@ -339,6 +343,7 @@ impl Engine {
         let dtype = options.precision.dtype();
         let mut model = model.cast(dtype);
         model.set_linear_kernel(LinearChoice::new(options.linear_kernel, &device, dtype));
+        model.set_attention_kernel(options.attention_kernel);
         Ok(Self {
             model,
             preprocess,

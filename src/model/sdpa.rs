@@ -11,7 +11,6 @@
 
 use burn::backend::{
     Backend, Dispatch, Flex, TensorMetadata, backend_extension, tensor::FloatTensor,
-    wgpu::CubeBackend,
 };
 use burn::tensor::{DType, Tensor, TensorData};
 use burn_flex::FlexTensor;
@@ -45,6 +44,44 @@ pub trait SdpaBackend: Backend {
     ) -> FloatTensor<Self> {
         composed::<Self>(q, k, v, scale)
     }
+
+    /// The same attention (shapes as in [`SdpaBackend::attend`]) in one kernel that never
+    /// writes the scores out, where the backend has one: on the wgpu backend
+    /// [`crate::model::fused_attention`]; elsewhere [`SdpaBackend::attend`].
+    #[fusion(dtype = q, shape = q)]
+    fn attend_fused(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        scale: f64,
+    ) -> FloatTensor<Self> {
+        Self::attend(q, k, v, scale)
+    }
+}
+
+/// Which implementation computes attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, clap::ValueEnum)]
+pub enum AttentionKernel {
+    /// [`SdpaBackend::attend`]: Burn's ops on the GPU ([`composed`]), mmlora's own pass on the
+    /// CPU.
+    Burn,
+    /// [`SdpaBackend::attend_fused`]: one WGSL kernel on the GPU, the same pass as `Burn` on
+    /// the CPU.
+    #[default]
+    Fused,
+}
+
+impl AttentionKernel {
+    /// Both kernels.
+    pub const ALL: [AttentionKernel; 2] = [AttentionKernel::Burn, AttentionKernel::Fused];
+
+    /// The name the command line and the bench records use.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKernel::Burn => "burn",
+            AttentionKernel::Fused => "fused",
+        }
+    }
 }
 
 /// The attention from Burn's ops, on any backend: the scores cast to f32 for the softmax (as
@@ -70,17 +107,20 @@ pub fn composed<B: Backend>(
 }
 
 /// `softmax(q·kᵀ·scale)·v` per segment and head on the backend of `q`'s device (shapes as in
-/// [`SdpaBackend::attend`]).
-pub fn attend(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, scale: f64) -> Tensor<4> {
-    Tensor::from_dispatch(<Dispatch as SdpaBackend>::attend(
-        q.into_dispatch(),
-        k.into_dispatch(),
-        v.into_dispatch(),
-        scale,
-    ))
+/// [`SdpaBackend::attend`]), computed by `kernel`.
+pub fn attend(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    scale: f64,
+    kernel: AttentionKernel,
+) -> Tensor<4> {
+    let (q, k, v) = (q.into_dispatch(), k.into_dispatch(), v.into_dispatch());
+    Tensor::from_dispatch(match kernel {
+        AttentionKernel::Burn => <Dispatch as SdpaBackend>::attend(q, k, v, scale),
+        AttentionKernel::Fused => <Dispatch as SdpaBackend>::attend_fused(q, k, v, scale),
+    })
 }
-
-impl SdpaBackend for CubeBackend {}
 
 impl SdpaBackend for Flex {
     /// f32 in one parallel pass over (segment, head, query block); other dtypes composed.
@@ -304,6 +344,7 @@ fn softmax_in_place(row: &mut [f32]) {
 mod tests {
     use super::*;
     use crate::device;
+    use crate::wgsl;
     use burn::tensor::Distribution;
 
     /// `[segments, rows, heads, head_dim]` values, row-major.
@@ -315,13 +356,15 @@ mod tests {
     }
 
     /// Checks `got` against float64 attention of `q`, `k`, `v` with a bound from the f32
-    /// arithmetic's roundings, element by element.
+    /// arithmetic's roundings, plus `rounding` (relative) for an output stored narrower than
+    /// f32, element by element.
     fn assert_matches_float64(
         got: &Tensor<4>,
         q: &Tensor<4>,
         k: &Tensor<4>,
         v: &Tensor<4>,
         scale: f64,
+        rounding: f64,
     ) {
         let ((q, [segments, queries, heads, head_dim]), (k, [_, len, _, _]), (v, _)) =
             (host(q), host(k), host(v));
@@ -360,7 +403,8 @@ mod tests {
             // Tolerance: a weight's relative error is twice the scores' (its own and the max's),
             // the shift's rounding (ε · spread), `exp`'s (ε), the sum's (len · ε) and the
             // division's (ε); the weighted sum of values adds len · ε of Σ p·|v|.
-            let relative = 2.0 * score_error + spread * epsilon + (2 * len + 4) as f64 * epsilon;
+            let relative =
+                2.0 * score_error + spread * epsilon + (2 * len + 4) as f64 * epsilon + rounding;
             for d in 0..head_dim {
                 let value = |j: usize| f64::from(v[at(len, s, j, h) + d]);
                 let expected: f64 = (0..len).map(|j| weights[j] / total * value(j)).sum();
@@ -425,8 +469,14 @@ mod tests {
         ];
         for (segments, len, first, queries, heads, head_dim, range, scale) in cases {
             let [q, k, v] = packed(segments, len, first, queries, heads, head_dim, range);
-            let flex = attend(q.clone(), k.clone(), v.clone(), scale);
-            assert_matches_float64(&flex, &q, &k, &v, scale);
+            let flex = attend(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                scale,
+                AttentionKernel::Burn,
+            );
+            assert_matches_float64(&flex, &q, &k, &v, scale, 0.0);
             let prim = |t: &Tensor<4>| t.clone().try_into_primitive::<Flex>().unwrap();
             let composed = Tensor::<4>::from_primitive::<Flex>(composed::<Flex>(
                 prim(&q),
@@ -434,7 +484,7 @@ mod tests {
                 prim(&v),
                 scale,
             ));
-            assert_matches_float64(&composed, &q, &k, &v, scale);
+            assert_matches_float64(&composed, &q, &k, &v, scale, 0.0);
         }
     }
 
@@ -449,7 +499,7 @@ mod tests {
         let q = tensor(vec![1.0, 0.0], 1);
         let k = tensor(vec![1000.0, 0.0, 0.0, 0.0, -1000.0, 0.0], 3);
         let v = tensor(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 3);
-        let y = attend(q.clone(), k, v, 1.0)
+        let y = attend(q.clone(), k, v, 1.0, AttentionKernel::Burn)
             .into_data()
             .try_to_vec::<f32>()
             .unwrap();
@@ -460,6 +510,7 @@ mod tests {
             tensor(vec![-1e30, 0.0], 1),
             tensor(vec![7.0, 8.0], 1),
             1.0,
+            AttentionKernel::Burn,
         );
         assert_eq!(y.into_data().try_to_vec::<f32>().unwrap(), [7.0, 8.0]);
     }
@@ -470,9 +521,128 @@ mod tests {
         let cpu = device::cpu();
         let zeros = |rows: usize| Tensor::<4>::zeros([2, rows, 3, 4], &cpu.device);
         let ones = |rows: usize| Tensor::<4>::ones([2, rows, 3, 4], &cpu.device);
-        let y = attend(ones(5), zeros(0), zeros(0), 1.0);
+        let y = attend(ones(5), zeros(0), zeros(0), 1.0, AttentionKernel::Burn);
         assert_eq!(y.dims(), [2, 5, 3, 4]);
         assert_eq!(y.into_data().try_to_vec::<f32>().unwrap(), vec![0.0; 120]);
-        assert_eq!(attend(ones(0), ones(5), ones(5), 1.0).dims(), [2, 0, 3, 4]);
+        assert_eq!(
+            attend(ones(0), ones(5), ones(5), 1.0, AttentionKernel::Burn).dims(),
+            [2, 0, 3, 4]
+        );
+    }
+
+    /// The fused kernel on the GPU against float64, in f32, and in f16 against float64 of the
+    /// same f16 values: the CPU test's cases, a short last block of queries and tile of keys,
+    /// one key, and the widest head it takes. Burn's composition on the GPU too, on the case of
+    /// the 2B tower's head width (each new shape autotunes Burn's matmul, up to 21 s on
+    /// lavapipe).
+    #[test]
+    fn gpu_kernels_match_float64() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        let f16 = device::f16_for_tests(&gpu);
+        let cases = [
+            // (segments, len, first query, queries, heads, head_dim, value range, scale)
+            (3, 300, 0, 300, 2, 16, 1.0, 0.25),
+            (2, 40, 7, 20, 3, 8, 1.0, 8f64.powf(-0.5)),
+            (1, 24, 0, 24, 2, 80, 4.0, 1.0),
+            (2, 70, 0, 70, 2, 4, 2.0, 1.0),
+            (2, 1, 0, 1, 3, 80, 1.0, 1.0),
+            (1, 33, 0, 33, 1, 128, 1.0, 128f64.powf(-0.5)),
+        ];
+        for (segments, len, first, queries, heads, head_dim, range, scale) in cases {
+            let [q, k, v] = packed(segments, len, first, queries, heads, head_dim, range);
+            let on_gpu = |t: &Tensor<4>| t.clone().to_device(&gpu.device);
+            let kernels: &[AttentionKernel] = if (len, head_dim) == (24, 80) {
+                &AttentionKernel::ALL
+            } else {
+                &[AttentionKernel::Fused]
+            };
+            for &kernel in kernels {
+                let got = attend(on_gpu(&q), on_gpu(&k), on_gpu(&v), scale, kernel);
+                assert_matches_float64(&got, &q, &k, &v, scale, 0.0);
+            }
+            if f16 {
+                // The f16 values, in f32 on the CPU for the reference.
+                let half = |t: &Tensor<4>| on_gpu(t).cast(DType::F16);
+                let [q, k, v] = [half(&q), half(&k), half(&v)];
+                let wide = |t: &Tensor<4>| t.clone().cast(DType::F32);
+                let got = attend(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    scale,
+                    AttentionKernel::Fused,
+                );
+                // The output's rounding to f16: half an ulp, 2⁻¹¹ relative.
+                let rounding = 2f64.powi(-11);
+                assert_matches_float64(
+                    &wide(&got),
+                    &wide(&q),
+                    &wide(&k),
+                    &wide(&v),
+                    scale,
+                    rounding,
+                );
+            }
+        }
+    }
+
+    /// The fused kernel's limits on the GPU: a key far above the others takes all the weight, a
+    /// segment of one key returns its value whatever the score (in launches past one dispatch's
+    /// (segment, head) pairs), no keys give zeros and no queries no output.
+    #[test]
+    fn gpu_fused_limits() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        let tensor = |values: Vec<f32>, dims: [usize; 4]| {
+            Tensor::<4>::from_data(TensorData::new(values, dims), &gpu.device)
+        };
+        let values = |t: Tensor<4>| t.into_data().try_to_vec::<f32>().unwrap();
+        let fused = AttentionKernel::Fused;
+        let q = tensor(vec![1.0, 0.0, 0.0, 0.0], [1, 1, 1, 4]);
+        let k = [1000.0, -1000.0, 0.0]
+            .iter()
+            .flat_map(|&key| [key, 0.0, 0.0, 0.0])
+            .collect();
+        let v = (1..=12).map(|i| i as f32).collect();
+        let y = attend(
+            q.clone(),
+            tensor(k, [1, 3, 1, 4]),
+            tensor(v, [1, 3, 1, 4]),
+            1.0,
+            fused,
+        );
+        // Exact: the other weights are exp(−2000) and exp(−1000), zero in f32.
+        assert_eq!(values(y), [1.0, 2.0, 3.0, 4.0]);
+
+        let segments = wgsl::MAX_WORKGROUPS_PER_DIM as usize + 2;
+        let distinct = |offset: f32| (0..segments * 4).map(|i| i as f32 + offset).collect();
+        let ones = tensor(vec![1.0; segments * 4], [segments, 1, 1, 4]);
+        let v: Vec<f32> = distinct(0.5);
+        let y = attend(
+            ones.clone(),
+            tensor(distinct(-1e6), [segments, 1, 1, 4]),
+            tensor(v.clone(), [segments, 1, 1, 4]),
+            1.0,
+            fused,
+        );
+        assert_eq!(values(y), v);
+
+        let zeros = |rows: usize| Tensor::<4>::zeros([2, rows, 3, 4], &gpu.device);
+        let y = attend(
+            ones.clone().slice(0..2).repeat_dim(2, 3),
+            zeros(0),
+            zeros(0),
+            1.0,
+            fused,
+        );
+        assert_eq!(y.dims(), [2, 1, 3, 4]);
+        assert_eq!(values(y), vec![0.0; 24]);
+        assert_eq!(
+            attend(zeros(0), zeros(5), zeros(5), 1.0, fused).dims(),
+            [2, 0, 3, 4]
+        );
     }
 }

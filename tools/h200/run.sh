@@ -86,7 +86,9 @@ bench=("$bin/mmlora" bench --device gpu --json --images 8 "${shape[@]}")
 
 step devices 30 "$bin/mmlora" devices
 # The issue's numbers: 8 images, 1-8 mixed adapters at ranks 8, 16 and 64, against the base; the
-# op alone at 256, 4096 and 8192 rows against the base linear; Burn's matmul for the linears.
+# op alone at 256, 4096 and 8192 rows against the base linear; Burn's matmul for the linears. The
+# fused attention kernel (the default) runs every configuration, and the base runs once more
+# with Burn's attention beside it.
 step bench 180 "${bench[@]}" --adapters 1,2,4,8 --ranks 8,16,64 --op-rows 256,4096,8192 \
     --linear-kernel burn --plot "$work/bench.png"
 step bench-f16 120 "${bench[@]}" --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 \
@@ -113,6 +115,8 @@ step bench-16 90 "$bin/mmlora" bench --device gpu --json --images 16 "${shape[@]
     --adapters 16 --ranks 16 --no-op --linear-kernel burn
 # The op against the native path on a real Vulkan driver, every shader and edge case.
 step op-tests 120 "$bin/lib" lora::ops
+# The fused attention kernel (and Burn's) against float64 on a real driver, f32 and f16.
+step attention-tests 60 "$bin/lib" model::sdpa model::fused_attention
 # The linear kernels against float64, each coop product 50 times with every output checked, so
 # that a slice read from workgroup memory before its stores reach it (naga writes no
 # availability or visibility for them: wgpu issue #8805) would show. MMLORA_EXPECT_COOP=1
@@ -149,7 +153,8 @@ step engine-on-gl 60 env MMLORA_GRAPHICS_APIS=vulkan,gl "$bin/engine" every_othe
 cat "$OUT/steps.tsv"
 python3 - "$OUT/results.tar" <<'PY'
 import json, sys, tarfile
-keys = ["kind", "adapters", "rank", "rows", "precision", "linear_kernel", "median_ms", "img_per_s",
+keys = ["kind", "adapters", "rank", "rows", "precision", "linear_kernel", "attention_kernel",
+        "median_ms", "img_per_s",
         "ratio_vs_base", "base_ms", "lora_ms", "naive_ms", "lora_overhead"]
 with tarfile.open(sys.argv[1]) as results:
     for name in ["bench", "bench-f16", "torch-fp32", "torch-bf16", "linear-kernels", "coop-f16"]:

@@ -8,7 +8,7 @@
 
 use burn::tensor::Tensor;
 
-use crate::model::sdpa;
+use crate::model::sdpa::{self, AttentionKernel};
 
 /// A share of the attention one launch sequence computes: `segments` neighbouring segments of
 /// `len` rows from row `at`, and of each the queries `first_query .. first_query + queries`
@@ -67,11 +67,17 @@ pub(super) fn pieces(segments: &[usize], heads: usize, limit: u64) -> Vec<Piece>
     pieces
 }
 
-/// The attention output of `piece`'s queries, `[segments · queries, heads · head_dim]`, from
-/// `q`, `k`, `v` (`[rows, heads, head_dim]`, rotary applied, `q` already scaled by
-/// `1/√head_dim`: [`super::rotary::Rotary::q`]), the softmax taken in f32 (as PyTorch's
-/// autocast runs it).
-pub(super) fn attend(q: &Tensor<3>, k: &Tensor<3>, v: &Tensor<3>, piece: Piece) -> Tensor<2> {
+/// The attention output of `piece`'s queries, `[segments · queries, heads · head_dim]`,
+/// computed by `kernel` from `q`, `k`, `v` (`[rows, heads, head_dim]`, rotary applied, `q`
+/// already scaled by `1/√head_dim`: [`super::rotary::Rotary::q`]), the softmax taken in f32
+/// (as PyTorch's autocast runs it).
+pub(super) fn attend(
+    q: &Tensor<3>,
+    k: &Tensor<3>,
+    v: &Tensor<3>,
+    piece: Piece,
+    kernel: AttentionKernel,
+) -> Tensor<2> {
     let [_, heads, head_dim] = q.dims();
     let Piece {
         at,
@@ -88,7 +94,7 @@ pub(super) fn attend(q: &Tensor<3>, k: &Tensor<3>, v: &Tensor<3>, piece: Piece) 
             .reshape([segments, rows, heads, head_dim])
     };
     let q = split(q, at + first_query, queries);
-    sdpa::attend(q, split(k, at, len), split(v, at, len), 1.0)
+    sdpa::attend(q, split(k, at, len), split(v, at, len), 1.0, kernel)
         .reshape([segments * queries, heads * head_dim])
 }
 

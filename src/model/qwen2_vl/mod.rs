@@ -15,8 +15,10 @@ use crate::lora::linear::LoraLinear;
 use crate::lora::ops::{LoraBatch, LoraOpError};
 use crate::model::activation::{gelu_in_f32, quick_gelu};
 use crate::model::checkpoint::{Checkpoint, CheckpointError};
+use crate::model::fused_attention;
 use crate::model::linear_choice::LinearChoice;
 use crate::model::rope;
+use crate::model::sdpa::AttentionKernel;
 use crate::model::stages::{Stage, StageClock};
 use crate::preprocess::grid_rows;
 pub use config::{ConfigError, DEFAULT_ROPE_THETA, LoraTarget, VisionConfig};
@@ -107,6 +109,8 @@ pub struct Qwen2VlVision {
     device: Device,
     /// The largest buffer one operation may make, in bytes.
     buffer_limit: u64,
+    /// Which implementation computes attention.
+    attention_kernel: AttentionKernel,
     /// The dtype the weights and activations are in (f32, or f16 on a GPU that has it).
     dtype: DType,
     /// Where the forward pass marks its stages (detached unless a benchmark attaches one).
@@ -209,6 +213,7 @@ impl Qwen2VlVision {
             merger,
             device: device.clone(),
             buffer_limit: DEFAULT_BUFFER_LIMIT,
+            attention_kernel: AttentionKernel::default(),
             dtype: DType::F32,
             stages: StageClock::default(),
         })
@@ -269,6 +274,11 @@ impl Qwen2VlVision {
         }
         self.merger.mlp0.set_kernel(kernel);
         self.merger.mlp2.set_kernel(kernel);
+    }
+
+    /// Computes attention with `kernel`.
+    pub fn set_attention_kernel(&mut self, kernel: AttentionKernel) {
+        self.attention_kernel = kernel;
     }
 
     /// Marks the end of each stage of [`Self::forward`] on `clock` (clones of the model share
@@ -404,7 +414,11 @@ impl Qwen2VlVision {
             .iter()
             .flat_map(|&[t, h, w]| std::iter::repeat_n(h * w, t))
             .collect();
-        let pieces = attention::pieces(&segments, self.config.num_heads, self.buffer_limit);
+        // The fused kernel writes no scores out: it takes the segments of one length together.
+        let fused = self.attention_kernel == AttentionKernel::Fused
+            && fused_attention::takes(self.config.head_dim());
+        let limit = if fused { u64::MAX } else { self.buffer_limit };
+        let pieces = attention::pieces(&segments, self.config.num_heads, limit);
 
         self.stages.begin();
         let mut x = pixel_values
@@ -463,7 +477,7 @@ impl Qwen2VlVision {
         self.stages.mark(Stage::Rotary);
         let outputs = pieces
             .iter()
-            .map(|&piece| attention::attend(&q, &k, &v, piece))
+            .map(|&piece| attention::attend(&q, &k, &v, piece, self.attention_kernel))
             .collect();
         let attended = Tensor::cat(outputs, 0);
         self.stages.mark(Stage::Attention);
