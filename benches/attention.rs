@@ -58,7 +58,7 @@ fn attention(c: &mut Criterion) {
             k.clone().cast(dtype),
             v.clone().cast(dtype),
         );
-        for kernel in AttentionKernel::ALL {
+        for kernel in AttentionKernel::BOTH {
             let id = format!("{}_{}", kernel.name(), precision.name());
             group.bench_function(id, |bench| {
                 bench.iter_custom(|n| {

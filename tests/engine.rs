@@ -106,16 +106,17 @@ fn a_mixed_batch_from_image_files_matches_peft_on_cpu() {
     assert_matches_fixtures(&fixture_requests(), &results, 1e-5, &cpu.description);
 }
 
-/// With the default linears and attention, with the kernels timed per shape, and with Burn's
-/// attention.
+/// With the default linears and attention, with the kernels timed per shape, and with each
+/// attention kernel.
 #[test]
 fn a_mixed_batch_from_image_files_matches_peft_on_wgpu() {
     let Some(gpu) = device::gpu_for_tests() else {
         return;
     };
     for (linear_kernel, attention_kernel) in [
+        (LinearKernel::Auto, AttentionKernel::Auto),
+        (LinearKernel::Timed, AttentionKernel::Auto),
         (LinearKernel::Auto, AttentionKernel::Fused),
-        (LinearKernel::Timed, AttentionKernel::Fused),
         (LinearKernel::Auto, AttentionKernel::Burn),
     ] {
         let options = EngineOptions {

@@ -92,8 +92,8 @@ pub struct BenchSpec {
     pub linear_kernel: LinearKernel,
     /// The LoRA shrink shader on a GPU.
     pub lora_shrink: ShrinkKernel,
-    /// Attention's implementation. With `Fused` on a GPU the base also runs with Burn's, to
-    /// compare them in one run.
+    /// Attention's implementation. With `Auto` on a GPU the base also runs with the one `Auto`
+    /// does not resolve to, to compare them in one run.
     pub attention_kernel: AttentionKernel,
 }
 
@@ -121,7 +121,7 @@ impl Default for BenchSpec {
             precision: Precision::F32,
             linear_kernel: LinearKernel::Auto,
             lora_shrink: ShrinkKernel::Auto,
-            attention_kernel: AttentionKernel::Fused,
+            attention_kernel: AttentionKernel::Auto,
         }
     }
 }
@@ -280,7 +280,8 @@ pub fn run(
 
     // (adapters, rank, how it computes); the base with the chosen kernels first.
     let kernel = spec.linear_kernel.resolve(device);
-    let compute = spec.compute(kernel, spec.attention_kernel);
+    let attention = spec.attention_kernel.resolve(device);
+    let compute = spec.compute(kernel, attention);
     let mut configurations = vec![(0, 0, compute)];
     for &rank in &spec.ranks {
         configurations.extend(spec.adapters.iter().map(|&k| (k, rank, compute)));
@@ -288,11 +289,13 @@ pub fn run(
     if spec.linear_kernel == LinearKernel::Auto {
         let others = LinearKernel::candidates(device, spec.precision.dtype());
         let others = others.iter().filter(|&&other| other != kernel);
-        configurations
-            .extend(others.map(|&other| (0, 0, spec.compute(other, spec.attention_kernel))));
+        configurations.extend(others.map(|&other| (0, 0, spec.compute(other, attention))));
     }
-    if spec.attention_kernel == AttentionKernel::Fused && device.wgpu.is_some() {
-        configurations.push((0, 0, spec.compute(kernel, AttentionKernel::Burn)));
+    if spec.attention_kernel == AttentionKernel::Auto && device.wgpu.is_some() {
+        let others = AttentionKernel::BOTH
+            .into_iter()
+            .filter(|&a| a != attention);
+        configurations.extend(others.map(|other| (0, 0, spec.compute(kernel, other))));
     }
     let mut runs = Vec::with_capacity(configurations.len());
     for &(adapters, rank, compute) in &configurations {

@@ -77,7 +77,7 @@ impl Default for ScaleSpec {
             precision: Precision::F32,
             linear_kernel: LinearKernel::Auto,
             lora_shrink: ShrinkKernel::Auto,
-            attention_kernel: AttentionKernel::Fused,
+            attention_kernel: AttentionKernel::Auto,
         }
     }
 }
@@ -141,7 +141,7 @@ pub fn run(
             spec.precision,
             spec.linear_kernel.resolve(device),
             spec.lora_shrink,
-            spec.attention_kernel,
+            spec.attention_kernel.resolve(device),
         ),
         model: &model,
         requests: &requests,
@@ -358,7 +358,7 @@ mod tests {
             precision: Precision::F32,
             linear_kernel: LinearKernel::Auto,
             lora_shrink: ShrinkKernel::Auto,
-            attention_kernel: AttentionKernel::Fused,
+            attention_kernel: AttentionKernel::Auto,
         };
         let records = run(&spec, &crate::device::cpu(), |_| (), |_| ()).unwrap();
         let seen: Vec<_> = records

@@ -60,9 +60,9 @@ pub struct EncodeArgs {
     /// one; either needs a GPU device).
     #[arg(long, value_enum, default_value = "auto")]
     lora_shrink: ShrinkKernel,
-    /// Attention's implementation (fused: one WGSL kernel on a GPU; burn: Burn's ops there;
-    /// on the CPU both are mmlora's own pass).
-    #[arg(long, value_enum, default_value = "fused")]
+    /// Attention's implementation on a GPU (fused: one WGSL kernel; burn: Burn's ops; auto:
+    /// fused on a hardware GPU, burn on a software one). On the CPU all are mmlora's own pass.
+    #[arg(long, value_enum, default_value = "auto")]
     attention_kernel: AttentionKernel,
 }
 

@@ -77,7 +77,7 @@ impl Default for EngineOptions {
             precision: Precision::F32,
             linear_kernel: LinearKernel::Auto,
             lora_shrink: ShrinkKernel::Auto,
-            attention_kernel: AttentionKernel::Fused,
+            attention_kernel: AttentionKernel::Auto,
         }
     }
 }
@@ -343,7 +343,7 @@ impl Engine {
         let dtype = options.precision.dtype();
         let mut model = model.cast(dtype);
         model.set_linear_kernel(LinearChoice::new(options.linear_kernel, &device, dtype));
-        model.set_attention_kernel(options.attention_kernel);
+        model.set_attention_kernel(options.attention_kernel.resolve(&device));
         Ok(Self {
             model,
             preprocess,

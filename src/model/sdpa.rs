@@ -18,6 +18,7 @@ use gemm::Parallelism;
 use multiversion::multiversion;
 use rayon::prelude::*;
 
+use crate::device::RuntimeDevice;
 use crate::lora::ops::native::{element, strided};
 use crate::model::exp::exp;
 
@@ -62,24 +63,40 @@ pub trait SdpaBackend: Backend {
 /// Which implementation computes attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, clap::ValueEnum)]
 pub enum AttentionKernel {
+    /// Per device ([`AttentionKernel::resolve`]): `fused` on a hardware GPU, `burn` elsewhere.
+    /// Unresolved, it runs as `burn`.
+    #[default]
+    Auto,
     /// [`SdpaBackend::attend`]: Burn's ops on the GPU ([`composed`]), mmlora's own pass on the
     /// CPU.
     Burn,
     /// [`SdpaBackend::attend_fused`]: one WGSL kernel on the GPU, the same pass as `Burn` on
     /// the CPU.
-    #[default]
     Fused,
 }
 
 impl AttentionKernel {
-    /// Both kernels.
-    pub const ALL: [AttentionKernel; 2] = [AttentionKernel::Burn, AttentionKernel::Fused];
+    /// The two implementations `Auto` picks from.
+    pub const BOTH: [AttentionKernel; 2] = [AttentionKernel::Burn, AttentionKernel::Fused];
 
     /// The name the command line and the bench records use.
     pub fn name(self) -> &'static str {
         match self {
+            AttentionKernel::Auto => "auto",
             AttentionKernel::Burn => "burn",
             AttentionKernel::Fused => "fused",
+        }
+    }
+
+    /// The implementation this choice runs on `device`. `Auto` takes the fused kernel on a
+    /// hardware GPU, where Burn's composition writes every score out and read the 2B tower's
+    /// attention at 7.1 TFLOP/s on the H200. It takes Burn's on a software GPU: on lavapipe
+    /// the fused kernel ran one 448² image's attention 2.8× slower (BENCHMARKS.md).
+    pub fn resolve(self, device: &RuntimeDevice) -> Self {
+        match self {
+            AttentionKernel::Auto if device.hardware_gpu => AttentionKernel::Fused,
+            AttentionKernel::Auto => AttentionKernel::Burn,
+            chosen => chosen,
         }
     }
 }
@@ -117,8 +134,10 @@ pub fn attend(
 ) -> Tensor<4> {
     let (q, k, v) = (q.into_dispatch(), k.into_dispatch(), v.into_dispatch());
     Tensor::from_dispatch(match kernel {
-        AttentionKernel::Burn => <Dispatch as SdpaBackend>::attend(q, k, v, scale),
         AttentionKernel::Fused => <Dispatch as SdpaBackend>::attend_fused(q, k, v, scale),
+        AttentionKernel::Burn | AttentionKernel::Auto => {
+            <Dispatch as SdpaBackend>::attend(q, k, v, scale)
+        }
     })
 }
 
@@ -554,7 +573,7 @@ mod tests {
             let [q, k, v] = packed(segments, len, first, queries, heads, head_dim, range);
             let on_gpu = |t: &Tensor<4>| t.clone().to_device(&gpu.device);
             let kernels: &[AttentionKernel] = if (len, head_dim) == (24, 80) {
-                &AttentionKernel::ALL
+                &AttentionKernel::BOTH
             } else {
                 &[AttentionKernel::Fused]
             };

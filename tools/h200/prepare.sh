@@ -27,10 +27,11 @@ fi
 touch src/lib.rs
 cargo build --release
 # name=path of each test binary the check runs (the library's unit tests hold the op tests),
-# and of the bench that times the linears alone in every kernel and precision (their FLOP/s).
+# and of the benches that time the linears and attention alone in every kernel and precision
+# (their FLOP/s).
 {
     cargo test --release --no-run --message-format=json
-    cargo bench --no-run --bench linear --message-format=json
+    cargo bench --no-run --bench linear --bench attention --message-format=json
 } 2>/dev/null | python3 -c '
 import json, sys
 wanted = {
@@ -39,6 +40,7 @@ wanted = {
     ("test", "soak"): "soak",
     ("test", "device_faults"): "device_faults",
     ("bench", "linear"): "linear_bench",
+    ("bench", "attention"): "attention_bench",
 }
 for line in sys.stdin:
     m = json.loads(line)

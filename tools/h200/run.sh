@@ -30,6 +30,7 @@ if $rehearse; then
     shape=(--preset tiny --side 56)
     torch_device=cpu
     linear_rows=256
+    attention_images=1
     expect_coop=0
     slower=4
 else
@@ -42,6 +43,7 @@ else
     shape=(--side 448)
     torch_device=cuda
     linear_rows=8192
+    attention_images=8
     expect_coop=1
     slower=1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
@@ -117,6 +119,9 @@ step bench-16 90 "$bin/mmlora" bench --device gpu --json --images 16 "${shape[@]
 step op-tests 120 "$bin/lib" lora::ops
 # The fused attention kernel (and Burn's) against float64 on a real driver, f32 and f16.
 step attention-tests 60 "$bin/lib" model::sdpa model::fused_attention
+# Attention alone, Burn's against the fused kernel, over 8 images of 448² (criterion; FLOP/s).
+step attention-alone 60 env MMLORA_BENCH_IMAGES=$attention_images "$bin/attention_bench" --bench \
+    --warm-up-time 0.5 --measurement-time 1
 # The linear kernels against float64, each coop product 50 times with every output checked, so
 # that a slice read from workgroup memory before its stores reach it (naga writes no
 # availability or visibility for them: wgpu issue #8805) would show. MMLORA_EXPECT_COOP=1

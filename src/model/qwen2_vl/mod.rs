@@ -213,7 +213,7 @@ impl Qwen2VlVision {
             merger,
             device: device.clone(),
             buffer_limit: DEFAULT_BUFFER_LIMIT,
-            attention_kernel: AttentionKernel::default(),
+            attention_kernel: AttentionKernel::Burn,
             dtype: DType::F32,
             stages: StageClock::default(),
         })
