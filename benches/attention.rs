@@ -4,14 +4,14 @@
 //! over images of 448² (1024 patches each). Throughput is in floating-point operations of the
 //! two products (`4 · images · heads · 1024² · 80` per call): criterion's `elem/s` are FLOP/s.
 //! `cargo bench --bench attention` runs one image; `MMLORA_BENCH_IMAGES=8` the H200's eight.
-//! Criterion's `--warm-up-time` and `--measurement-time` override the 2 s and 10 s below.
+//! Criterion's `--warm-up-time` and `--measurement-time` override `common::config`'s 2 s and 10 s.
 
-use std::time::Duration;
+mod common;
 
 use burn::tensor::{Distribution, Tensor};
 use criterion::{Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
 use mmlora::bench::op::timed;
-use mmlora::device::{self, Precision};
+use mmlora::device::Precision;
 use mmlora::model::sdpa::{AttentionKernel, attend};
 
 /// Patches of one 448² image.
@@ -21,20 +21,10 @@ const HEADS: usize = 16;
 const HEAD_DIM: usize = 80;
 
 fn attention(c: &mut Criterion) {
-    let images = match std::env::var("MMLORA_BENCH_IMAGES") {
-        Ok(images) => images
-            .parse()
-            .expect("MMLORA_BENCH_IMAGES is a number of images"),
-        Err(_) => 1,
+    let images = common::count("MMLORA_BENCH_IMAGES", 1);
+    let Some(gpu) = common::gpu() else {
+        return;
     };
-    let gpu = match device::gpu() {
-        Ok(gpu) => gpu,
-        Err(error) => {
-            eprintln!("no GPU benchmark: {error}");
-            return;
-        }
-    };
-    eprintln!("gpu: {}", gpu.description);
     let mut precisions = vec![Precision::F32];
     if gpu.supports(Precision::F16) {
         precisions.push(Precision::F16);
@@ -75,9 +65,7 @@ fn attention(c: &mut Criterion) {
 
 criterion_group! {
     name = benches;
-    config = Criterion::default()
-        .warm_up_time(Duration::from_secs(2))
-        .measurement_time(Duration::from_secs(10));
+    config = common::config();
     targets = attention
 }
 criterion_main!(benches);

@@ -5,14 +5,14 @@
 //! in floating-point operations (`2 · rows · in · out` per call): criterion's `elem/s` are
 //! FLOP/s. `cargo bench --bench linear` runs the tower's at 512 rows (8 images of 112²);
 //! `MMLORA_BENCH_ROWS=8192` at 8 images of 448². The merger's see a quarter of the rows.
-//! Criterion's `--warm-up-time` and `--measurement-time` override the 2 s and 10 s below.
+//! Criterion's `--warm-up-time` and `--measurement-time` override `common::config`'s 2 s and 10 s.
 
-use std::time::Duration;
+mod common;
 
 use burn::tensor::{Distribution, Tensor};
 use criterion::{Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
 use mmlora::bench::op::timed;
-use mmlora::device::{self, Precision};
+use mmlora::device::Precision;
 use mmlora::model::gemm::{LinearKernel, coop_subgroup, linear, materialize};
 
 /// `(name, in, out)` of each linear of the 2B shape.
@@ -29,18 +29,10 @@ const LAYERS: [(&str, usize, usize); 6] = [
 const ROWS: usize = 512;
 
 fn linears(c: &mut Criterion) {
-    let tower_rows = match std::env::var("MMLORA_BENCH_ROWS") {
-        Ok(rows) => rows.parse().expect("MMLORA_BENCH_ROWS is a number of rows"),
-        Err(_) => ROWS,
+    let tower_rows = common::count("MMLORA_BENCH_ROWS", ROWS);
+    let Some(gpu) = common::gpu() else {
+        return;
     };
-    let gpu = match device::gpu() {
-        Ok(gpu) => gpu,
-        Err(error) => {
-            eprintln!("no GPU benchmark: {error}");
-            return;
-        }
-    };
-    eprintln!("gpu: {}", gpu.description);
     let d = &gpu.device;
     let kernels = [LinearKernel::Burn, LinearKernel::Wgsl, LinearKernel::Tiled];
     let mut runs = kernels.map(|k| (Precision::F32, k)).to_vec();
@@ -90,9 +82,7 @@ fn linears(c: &mut Criterion) {
 
 criterion_group! {
     name = benches;
-    config = Criterion::default()
-        .warm_up_time(Duration::from_secs(2))
-        .measurement_time(Duration::from_secs(10));
+    config = common::config();
     targets = linears
 }
 criterion_main!(benches);

@@ -1,13 +1,13 @@
-// Attention within segments in one pass: out = softmax(scale · q · kᵀ) · v, per segment and head,
-// the scores never written out (FlashAttention's online softmax).
+// Attention within segments in one pass: out = softmax(scale · q · kᵀ) · v, per segment and
+// head, the scores never written out (FlashAttention's online softmax).
 //
 // q, out: [segments, queries, heads, HEAD4 vec4s]; k, v: [segments, len, heads, HEAD4 vec4s].
 // One workgroup per block of WORKGROUP queries of one (segment, head); one query per thread,
 // its row of q (scaled) and its sums of out in registers, HEAD4 vec4s each. The workgroup walks
 // the segment's keys KEYS at a time: it copies that tile of k and v into workgroup memory, then
 // every thread scores its query against the tile's keys, takes the running maximum m, rescales
-// its sums and their weight total l by exp(m_old − m), and adds exp(score − m) · v for each key.
-// Every thread reads the same tile entry at once (a broadcast).
+// its sums and their weight total l by exp(m_old − m), and adds exp(score − m) · v for each
+// key. Every thread reads the same tile entry at once (a broadcast).
 //
 // Queries past the last are clamped to it: computed, never stored. Keys past the last are
 // clamped on load and weigh zero. ELEM is the element type of q, k, v and out (f32, or f16
