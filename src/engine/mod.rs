@@ -63,7 +63,8 @@ pub struct EngineOptions {
     pub linear_kernel: LinearKernel,
     /// Which shader computes the LoRA shrink on a GPU.
     pub lora_shrink: ShrinkKernel,
-    /// Which implementation computes attention (on the CPU backend both are its own pass).
+    /// Which implementation computes attention, resolved per device (on the CPU backend every
+    /// choice is its own pass).
     pub attention_kernel: AttentionKernel,
 }
 
