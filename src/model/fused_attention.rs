@@ -5,8 +5,9 @@
 //! len]` in f32, and reads it back through a softmax and two casts; on the H200 it ran the 2B
 //! tower's attention at 7.1 TFLOP/s, 23 % of the pass (BENCHMARKS.md). `shaders/attention.wgsl`
 //! keeps each query's scores, softmax and sums in registers (FlashAttention's online softmax),
-//! so attention reads `q`, `k` and `v` and writes the output, nothing else, in one launch per
-//! 65 535 (segment, head) pairs.
+//! so the kernel reads `q`, `k` and `v` and writes the output, nothing else, in one launch per
+//! 65 535 (segment, head) pairs (a strided `v`, as the tower's packed qkv gives, is copied
+//! first).
 
 use burn::backend::wgpu::{CubeBackend, CubeTensor, KernelSource, SourceTemplate};
 use burn::tensor::DType;
