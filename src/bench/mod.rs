@@ -299,10 +299,11 @@ pub fn run(
     }
     let mut runs = Vec::with_capacity(configurations.len());
     for &(adapters, rank, compute) in &configurations {
+        let (_, linear, _, attention) = compute;
         progress(&format!(
             "preparing {adapters} adapters of rank {rank}, {} linears, {} attention",
-            compute.1.name(),
-            compute.3.name()
+            linear.name(),
+            attention.name()
         ));
         let mut engine = engine_with_adapters(&model, device, compute, adapters, adapters, rank)?;
         let batch = mixed_batch(&requests, adapters, rank);
