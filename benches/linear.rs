@@ -38,8 +38,11 @@ fn linears(c: &mut Criterion) {
     let mut runs = kernels.map(|k| (Precision::F32, k)).to_vec();
     if gpu.supports(Precision::F16) {
         runs.extend(kernels.map(|k| (Precision::F16, k)));
-        if coop_subgroup(&gpu).is_some() {
-            runs.push((Precision::F16, LinearKernel::Coop));
+        for kernel in [LinearKernel::Coop, LinearKernel::CoopWide] {
+            let tiling = kernel.coop_tiling().expect("a coop kernel has a tiling");
+            if coop_subgroup(&gpu, tiling).is_some() {
+                runs.push((Precision::F16, kernel));
+            }
         }
     }
     for (name, in_features, out_features) in LAYERS {

@@ -216,8 +216,11 @@ fn f16_on_the_gpu_stays_close_to_peft_in_f32() {
     };
     let expected = Expected::load();
     let mut kernels = vec![LinearKernel::Auto, LinearKernel::Timed];
-    if gemm::coop_subgroup(&gpu).is_some() {
-        kernels.push(LinearKernel::Coop);
+    for kernel in [LinearKernel::Coop, LinearKernel::CoopWide] {
+        let tiling = kernel.coop_tiling().expect("a coop kernel has a tiling");
+        if gemm::coop_subgroup(&gpu, tiling).is_some() {
+            kernels.push(kernel);
+        }
     }
     for linear_kernel in kernels {
         let options = EngineOptions {
@@ -828,17 +831,20 @@ fn options_that_cannot_work_are_refused() {
     }
 }
 
-/// The cooperative-matrix linear kernel is refused in f32 everywhere, and in f16 on a device
+/// The cooperative-matrix linear kernels are refused in f32 everywhere, and in f16 on a device
 /// without cooperative matrices (the CPU backend, lavapipe).
 #[test]
 fn coop_is_refused_where_it_cannot_run() {
     let gpu = device::gpu_for_tests();
     let devices = [Some(device::cpu()), gpu].into_iter().flatten();
-    for device in devices {
-        let coop = gemm::coop_subgroup(&device).is_some();
+    for (device, linear_kernel) in devices
+        .flat_map(|device| [LinearKernel::Coop, LinearKernel::CoopWide].map(|k| (device.clone(), k)))
+    {
+        let tiling = linear_kernel.coop_tiling().expect("a coop kernel has a tiling");
+        let coop = gemm::coop_subgroup(&device, tiling).is_some();
         for precision in [Precision::F32, Precision::F16] {
             let options = EngineOptions {
-                linear_kernel: LinearKernel::Coop,
+                linear_kernel,
                 precision,
                 ..EngineOptions::default()
             };

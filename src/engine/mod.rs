@@ -34,7 +34,7 @@ use crate::mapping::{
     AdapterRequest, EncoderCache, LoraState, MappingError, MmFeature, MmLoraActivation, Modality,
     PlaceholderRange, SpatialMergeCounts, set_active_mm_loras,
 };
-use crate::model::gemm::{self, LinearKernel};
+use crate::model::gemm::{self, CoopTiling, LinearKernel};
 use crate::model::linear_choice::LinearChoice;
 use crate::model::qwen2_vl::{ModelError, Qwen2VlVision, VisionConfig};
 use crate::model::sdpa::AttentionKernel;
@@ -1084,12 +1084,17 @@ fn check_options(options: &EngineOptions, device: &RuntimeDevice) -> Result<(), 
             "the {} linear kernel needs a GPU device (the CPU backend uses Flex's matmul)",
             options.linear_kernel.name()
         ))
-    } else if options.linear_kernel == LinearKernel::Coop
-        && (options.precision != Precision::F16 || gemm::coop_subgroup(device).is_none())
+    } else if let Some(tiling) = options.linear_kernel.coop_tiling()
+        && (options.precision != Precision::F16 || gemm::coop_subgroup(device, tiling).is_none())
     {
+        let subgroups = match tiling {
+            CoopTiling::Narrow => "16, 32 or 64",
+            CoopTiling::Wide => "32",
+        };
         Some(format!(
-            "the coop linear kernel needs f16 on a GPU with cooperative matrices (16×16×16, \
-             f16 summed in f32) and one subgroup size of 16, 32 or 64; {} with {} does not",
+            "the {} linear kernel needs f16 on a GPU with cooperative matrices (16×16×16, \
+             f16 summed in f32) and one subgroup size of {subgroups}; {} with {} does not",
+            options.linear_kernel.name(),
             device.description,
             options.precision.name()
         ))

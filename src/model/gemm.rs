@@ -65,9 +65,13 @@ pub const TILED_COLUMNS4: u32 = 32;
 /// TILED_WORKGROUP`.
 pub const TILED_DEPTH: u32 = 8;
 
-/// Invocations per workgroup of `linear_coop.wgsl`: as many subgroups as the device's
-/// subgroup size divides it into, one cell of the block each.
+/// Invocations per workgroup of `linear_coop.wgsl` in [`CoopTiling::Narrow`]: as many subgroups
+/// as the device's subgroup size divides it into, one cell of the block each.
 pub const COOP_WORKGROUP: u32 = 256;
+
+/// Invocations per workgroup of `linear_coop.wgsl` in [`CoopTiling::Wide`]: four subgroups of 32,
+/// one 64 × 64 cell of the block each.
+pub const COOP_WIDE_WORKGROUP: u32 = 128;
 
 /// Rows of a `linear_coop.wgsl` block.
 pub const COOP_ROWS: u32 = 128;
@@ -87,9 +91,11 @@ const MATRIX: u32 = 16;
 const COOP_PAD: u32 = 8;
 
 // `{{ loads }}` serves both slices, which are equally large, and every thread loads as many
-// `vec4`s of each.
+// `vec4`s of each, in either tiling.
 const _: () = assert!(
-    COOP_ROWS == COOP_COLUMNS && (COOP_ROWS * COOP_DEPTH / 4).is_multiple_of(COOP_WORKGROUP)
+    COOP_ROWS == COOP_COLUMNS
+        && (COOP_ROWS * COOP_DEPTH / 4).is_multiple_of(COOP_WORKGROUP)
+        && (COOP_ROWS * COOP_DEPTH / 4).is_multiple_of(COOP_WIDE_WORKGROUP)
 );
 
 /// Which kernel computes a linear layer's base product on a wgpu device.
@@ -118,6 +124,11 @@ pub enum LinearKernel {
     /// (else Burn's). Only for a device that offers cooperative matrices (`mmlora devices`
     /// says): the engine refuses it elsewhere.
     Coop,
+    /// `shaders/linear_coop.wgsl` as `Coop`, in [`CoopTiling::Wide`]: four subgroups of 32 per
+    /// workgroup, each summing a 64 × 64 cell, so that each matrix it loads feeds four products
+    /// rather than two or three. Only for a device with cooperative matrices and subgroups of
+    /// 32 alone.
+    CoopWide,
 }
 
 /// Our WGSL kernels for the linear layers.
@@ -127,13 +138,37 @@ pub enum LinearShader {
     Registers,
     /// `shaders/linear_tiled.wgsl`.
     Tiled,
-    /// `shaders/linear_coop.wgsl`.
-    Coop,
+    /// `shaders/linear_coop.wgsl`, its block cut among subgroups as the tiling says.
+    Coop(CoopTiling),
     /// `shaders/linear_coop.wgsl` at subgroups of 32, each cooperative operation replaced by
     /// its definition in plain WGSL: the kernel's staging, indexing and stores, checked on
     /// devices without cooperative matrices.
     #[cfg(test)]
-    CoopEmulated,
+    CoopEmulated(CoopTiling),
+}
+
+/// How `linear_coop.wgsl` cuts its 128 × 128 block among the subgroups of a workgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CoopTiling {
+    /// [`COOP_WORKGROUP`] invocations: 16, 8 or 4 subgroups of 16, 32 or 64, each a cell of at
+    /// most 4 × 4 matrices (8 of 32: 32 × 64 values).
+    Narrow,
+    /// [`COOP_WIDE_WORKGROUP`] invocations: 4 subgroups of 32, each a cell of 4 × 4 matrices
+    /// (64 × 64 values).
+    Wide,
+}
+
+impl CoopTiling {
+    /// Both tilings.
+    pub const ALL: [CoopTiling; 2] = [CoopTiling::Narrow, CoopTiling::Wide];
+
+    /// Invocations per workgroup.
+    fn workgroup(self) -> u32 {
+        match self {
+            CoopTiling::Narrow => COOP_WORKGROUP,
+            CoopTiling::Wide => COOP_WIDE_WORKGROUP,
+        }
+    }
 }
 
 /// Linear layers' products with a faster implementation than Burn's on some backend.
@@ -198,30 +233,34 @@ impl LinearKernel {
             LinearKernel::Wgsl => "wgsl",
             LinearKernel::Tiled => "tiled",
             LinearKernel::Coop => "coop",
+            LinearKernel::CoopWide => "coop-wide",
         }
     }
 
     /// The kernels worth comparing on `device` for tensors of `dtype`, the ones `timed` times
     /// (each list holds Burn's, the reference the others are checked against): on a software
     /// GPU ours for it and Burn's; on a hardware GPU Burn's and our tiled one, and in f16 our
-    /// cooperative-matrix one where the device has them; on the CPU Burn's (Flex's matmul).
+    /// cooperative-matrix one in each tiling the device runs; on the CPU Burn's (Flex's matmul).
     ///
     /// A hardware GPU whose workgroups take fewer invocations than the tiled kernel's
     /// [`TILED_WORKGROUP`] (OpenGL ES 3.1 promises 128) runs neither it nor `coop` (as large):
     /// Burn's alone.
     pub fn candidates(device: &RuntimeDevice, dtype: DType) -> &'static [LinearKernel] {
-        use LinearKernel::{Burn, Coop, Tiled, Wgsl};
+        use LinearKernel::{Burn, Coop, CoopWide, Tiled, Wgsl};
         let Some(setup) = device.wgpu.as_ref() else {
             return &[Burn];
         };
         let tiled = LinearShader::Tiled.runs_on(Capacity::of_wgpu(setup));
+        let coop = |tiling| dtype == DType::F16 && coop_subgroup(device, tiling).is_some();
         match (device.hardware_gpu, tiled) {
             (false, _) => &[Wgsl, Burn],
             (true, false) => &[Burn],
-            (true, true) if dtype == DType::F16 && coop_subgroup(device).is_some() => {
-                &[Burn, Tiled, Coop]
-            }
-            (true, true) => &[Burn, Tiled],
+            (true, true) => match (coop(CoopTiling::Narrow), coop(CoopTiling::Wide)) {
+                (true, true) => &[Burn, Tiled, Coop, CoopWide],
+                (true, false) => &[Burn, Tiled, Coop],
+                (false, true) => &[Burn, Tiled, CoopWide],
+                (false, false) => &[Burn, Tiled],
+            },
         }
     }
 
@@ -236,12 +275,21 @@ impl LinearKernel {
         }
     }
 
+    /// The tiling of a cooperative-matrix kernel (`coop`, `coop-wide`); `None` for the others.
+    pub fn coop_tiling(self) -> Option<CoopTiling> {
+        match self.shader() {
+            Some(LinearShader::Coop(tiling)) => Some(tiling),
+            _ => None,
+        }
+    }
+
     /// Our shader behind `self`, if it is one of ours.
     pub fn shader(self) -> Option<LinearShader> {
         match self {
             LinearKernel::Wgsl => Some(LinearShader::Registers),
             LinearKernel::Tiled => Some(LinearShader::Tiled),
-            LinearKernel::Coop => Some(LinearShader::Coop),
+            LinearKernel::Coop => Some(LinearShader::Coop(CoopTiling::Narrow)),
+            LinearKernel::CoopWide => Some(LinearShader::Coop(CoopTiling::Wide)),
             LinearKernel::Auto | LinearKernel::Timed | LinearKernel::Burn => None,
         }
     }
@@ -346,10 +394,11 @@ impl Capacity {
 
 impl LinearShader {
     /// Every kernel, for tests that check them all.
-    pub const ALL: [LinearShader; 3] = [
+    pub const ALL: [LinearShader; 4] = [
         LinearShader::Registers,
         LinearShader::Tiled,
-        LinearShader::Coop,
+        LinearShader::Coop(CoopTiling::Narrow),
+        LinearShader::Coop(CoopTiling::Wide),
     ];
 
     /// The shader's file name under `shaders/`.
@@ -357,9 +406,9 @@ impl LinearShader {
         match self {
             LinearShader::Registers => "linear.wgsl",
             LinearShader::Tiled => "linear_tiled.wgsl",
-            LinearShader::Coop => "linear_coop.wgsl",
+            LinearShader::Coop(_) => "linear_coop.wgsl",
             #[cfg(test)]
-            LinearShader::CoopEmulated => "linear_coop.wgsl",
+            LinearShader::CoopEmulated(_) => "linear_coop.wgsl",
         }
     }
 
@@ -368,9 +417,9 @@ impl LinearShader {
         match self {
             LinearShader::Registers => WORKGROUP,
             LinearShader::Tiled => TILED_WORKGROUP,
-            LinearShader::Coop => COOP_WORKGROUP,
+            LinearShader::Coop(tiling) => tiling.workgroup(),
             #[cfg(test)]
-            LinearShader::CoopEmulated => COOP_WORKGROUP,
+            LinearShader::CoopEmulated(tiling) => tiling.workgroup(),
         }
     }
 
@@ -379,15 +428,15 @@ impl LinearShader {
         match self {
             LinearShader::Registers => (ROWS, WORKGROUP * COLUMNS),
             LinearShader::Tiled => (TILED_ROWS, TILED_COLUMNS4),
-            LinearShader::Coop => (COOP_ROWS, COOP_COLUMNS / 4),
+            LinearShader::Coop(_) => (COOP_ROWS, COOP_COLUMNS / 4),
             #[cfg(test)]
-            LinearShader::CoopEmulated => (COOP_ROWS, COOP_COLUMNS / 4),
+            LinearShader::CoopEmulated(_) => (COOP_ROWS, COOP_COLUMNS / 4),
         }
     }
 
     /// The WGSL source for `elem` on a device whose subgroups have `subgroup` invocations
     /// (read by `Coop` alone); `None` where the shader is not written for them (`Coop`: f16
-    /// alone, at subgroups of 16, 32 or 64).
+    /// alone, at the subgroup sizes its tiling lays out).
     pub fn render(self, elem: Elem, subgroup: u32) -> Option<String> {
         LinearSource::new(self, elem, subgroup).map(|source| source.source().complete())
     }
@@ -397,27 +446,31 @@ impl LinearShader {
     fn takes(self, elem: Elem) -> bool {
         match self {
             LinearShader::Registers | LinearShader::Tiled => true,
-            LinearShader::Coop => elem == Elem::F16,
+            LinearShader::Coop(_) => elem == Elem::F16,
             #[cfg(test)]
-            LinearShader::CoopEmulated => elem == Elem::F16,
+            LinearShader::CoopEmulated(_) => elem == Elem::F16,
         }
     }
 
     /// Whether a device of `capacity` runs the shader: its workgroups take the shader's
-    /// invocations and, for `Coop`, the device has one subgroup size that [`CoopLayout`] takes
-    /// and workgroup memory for that layout.
+    /// invocations and, for `Coop`, the device has one subgroup size that [`CoopLayout`] lays
+    /// out in the kernel's tiling and workgroup memory for that layout.
     fn runs_on(self, capacity: Capacity) -> bool {
-        let layout_fits = |subgroup| {
-            CoopLayout::for_subgroup(subgroup)
+        let layout_fits = |tiling, subgroup| {
+            CoopLayout::new(tiling, subgroup)
                 .is_some_and(|layout| layout.workgroup_bytes() <= capacity.workgroup_bytes)
         };
         let [subgroup_min, subgroup_max] = capacity.subgroups;
         self.workgroup() <= capacity.invocations
             && match self {
                 LinearShader::Registers | LinearShader::Tiled => true,
-                LinearShader::Coop => subgroup_min == subgroup_max && layout_fits(subgroup_max),
+                LinearShader::Coop(tiling) => {
+                    subgroup_min == subgroup_max && layout_fits(tiling, subgroup_max)
+                }
                 #[cfg(test)]
-                LinearShader::CoopEmulated => layout_fits(tests::EMULATED_SUBGROUP),
+                LinearShader::CoopEmulated(tiling) => {
+                    layout_fits(tiling, tests::EMULATED_SUBGROUP)
+                }
             }
     }
 }
@@ -425,6 +478,8 @@ impl LinearShader {
 /// How `linear_coop.wgsl` cuts its block among the subgroups of a workgroup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct CoopLayout {
+    /// Invocations per workgroup.
+    workgroup: u32,
     /// Subgroups per workgroup: one cell of the block each.
     subgroups: u32,
     /// Cells across the block (the rest go down it).
@@ -432,15 +487,18 @@ struct CoopLayout {
 }
 
 impl CoopLayout {
-    /// The layout for subgroups of `subgroup` invocations: 4, 8 or 16 subgroups in a
-    /// workgroup, each cell at most 4 × 4 matrices (`None` for other sizes).
-    fn for_subgroup(subgroup: u32) -> Option<Self> {
-        let subgroups = match subgroup {
-            16 | 32 | 64 => COOP_WORKGROUP / subgroup,
+    /// The layout of `tiling` for subgroups of `subgroup` invocations (`None` for sizes it does
+    /// not lay out): in `Narrow`, 4, 8 or 16 subgroups of 64, 32 or 16, each cell at most 4 × 4
+    /// matrices; in `Wide`, 4 subgroups of 32, each cell 4 × 4 matrices.
+    fn new(tiling: CoopTiling, subgroup: u32) -> Option<Self> {
+        let workgroup = tiling.workgroup();
+        let subgroups = match (tiling, subgroup) {
+            (CoopTiling::Narrow, 16 | 32 | 64) | (CoopTiling::Wide, 32) => workgroup / subgroup,
             _ => return None,
         };
         let subgroup_columns = if subgroups == 16 { 4 } else { 2 };
         Some(CoopLayout {
+            workgroup,
             subgroups,
             subgroup_columns,
         })
@@ -464,11 +522,11 @@ impl CoopLayout {
     }
 }
 
-/// The subgroup size `linear_coop.wgsl` runs at on `device`, where it can run there: a wgpu
-/// device with cooperative matrices, subgroups and f16, whose adapter offers 16 × 16 × 16
+/// The subgroup size `linear_coop.wgsl` runs at in `tiling` on `device`, where it can run there:
+/// a wgpu device with cooperative matrices, subgroups and f16, whose adapter offers 16 × 16 × 16
 /// products of f16 matrices summed in f32 without saturating (naga never asks for it), and
 /// whose workgroups and subgroups the kernel fits (`LinearShader::runs_on`).
-pub fn coop_subgroup(device: &RuntimeDevice) -> Option<u32> {
+pub fn coop_subgroup(device: &RuntimeDevice, tiling: CoopTiling) -> Option<u32> {
     let setup = device.wgpu.as_ref()?;
     let needed = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
         | wgpu::Features::SUBGROUP
@@ -484,23 +542,24 @@ pub fn coop_subgroup(device: &RuntimeDevice) -> Option<u32> {
                 && !p.saturating_accumulation
         });
     let capacity = Capacity::of_wgpu(setup);
-    (setup.device.features().contains(needed) && f16_in_f32 && LinearShader::Coop.runs_on(capacity))
-        .then_some(capacity.subgroups[1])
+    let runs = LinearShader::Coop(tiling).runs_on(capacity);
+    (setup.device.features().contains(needed) && f16_in_f32 && runs).then_some(capacity.subgroups[1])
 }
 
 /// [`coop_subgroup`] for a test on `gpu`: where it is `None`, says so on stderr (the caller
 /// skips its coop checks), or, under `MMLORA_EXPECT_COOP=1` (the H200 check), fails the test.
 #[cfg(test)]
-pub(crate) fn coop_for_tests(gpu: &RuntimeDevice) -> Option<u32> {
-    let subgroup = coop_subgroup(gpu);
+pub(crate) fn coop_for_tests(gpu: &RuntimeDevice, tiling: CoopTiling) -> Option<u32> {
+    let subgroup = coop_subgroup(gpu, tiling);
     if subgroup.is_none() {
         assert!(
             std::env::var("MMLORA_EXPECT_COOP").as_deref() != Ok("1"),
-            "MMLORA_EXPECT_COOP=1, but {} cannot run the coop kernel (`mmlora devices` says why)",
+            "MMLORA_EXPECT_COOP=1, but {} cannot run the coop kernel in {tiling:?} (`mmlora \
+             devices` says why)",
             gpu.description
         );
         eprintln!(
-            "{}: no cooperative matrices, coop checks not run",
+            "{}: no cooperative matrices in {tiling:?}, coop checks not run",
             gpu.description
         );
     }
@@ -671,7 +730,7 @@ impl LinearSource {
     /// ([`LinearShader::render`]).
     fn new(shader: LinearShader, elem: Elem, subgroup: u32) -> Option<Self> {
         let laid_out = match shader {
-            LinearShader::Coop => CoopLayout::for_subgroup(subgroup).is_some(),
+            LinearShader::Coop(tiling) => CoopLayout::new(tiling, subgroup).is_some(),
             _ => true,
         };
         (laid_out && shader.takes(elem)).then_some(LinearSource {
@@ -703,10 +762,10 @@ impl KernelSource for LinearSource {
                     .register("tile_columns4", TILED_COLUMNS4.to_string())
                     .register("depth", TILED_DEPTH.to_string())
             }
-            LinearShader::Coop => coop_template(self.subgroup),
+            LinearShader::Coop(tiling) => coop_template(tiling, self.subgroup),
             #[cfg(test)]
-            LinearShader::CoopEmulated => SourceTemplate::new(tests::emulated_coop(
-                coop_template(tests::EMULATED_SUBGROUP).complete(),
+            LinearShader::CoopEmulated(tiling) => SourceTemplate::new(tests::emulated_coop(
+                coop_template(tiling, tests::EMULATED_SUBGROUP).complete(),
             )),
         };
         template
@@ -776,14 +835,15 @@ fn unrolled() -> [String; 4] {
     ]
 }
 
-/// `shaders/linear_coop.wgsl` with everything but its element type filled in, for subgroups of
-/// `subgroup` invocations, one size [`CoopLayout`] takes ([`LinearSource::new`] made sure).
-fn coop_template(subgroup: u32) -> SourceTemplate {
-    let layout = CoopLayout::for_subgroup(subgroup)
+/// `shaders/linear_coop.wgsl` with everything but its element type filled in, in `tiling` for
+/// subgroups of `subgroup` invocations, a size [`CoopLayout`] lays out in it
+/// ([`LinearSource::new`] made sure).
+fn coop_template(tiling: CoopTiling, subgroup: u32) -> SourceTemplate {
+    let layout = CoopLayout::new(tiling, subgroup)
         .expect("LinearSource::new takes coop only at a subgroup size CoopLayout lays out");
     let [declare, multiply, store] = coop_unrolled(layout);
     SourceTemplate::new(include_str!("../../shaders/linear_coop.wgsl"))
-        .register("workgroup", COOP_WORKGROUP.to_string())
+        .register("workgroup", layout.workgroup.to_string())
         .register("subgroups", layout.subgroups.to_string())
         .register("subgroup_columns", layout.subgroup_columns.to_string())
         .register("tile_rows", COOP_ROWS.to_string())
@@ -792,7 +852,7 @@ fn coop_template(subgroup: u32) -> SourceTemplate {
         .register("pad", COOP_PAD.to_string())
         .register(
             "loads",
-            (COOP_ROWS * COOP_DEPTH / 4 / COOP_WORKGROUP).to_string(),
+            (COOP_ROWS * COOP_DEPTH / 4 / layout.workgroup).to_string(),
         )
         .register("declare", declare)
         .register("multiply", multiply)
@@ -1184,40 +1244,43 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
         let Some(gpu) = device::gpu_for_tests().filter(device::f16_for_tests) else {
             return;
         };
-        let ours = Ours {
-            name: "coop (emulated)",
-            truncating_sums: false,
-            run: &|x, weight_t, bias| {
-                Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_wgsl(
-                    x.into_dispatch(),
-                    weight_t.clone().into_dispatch(),
-                    bias.clone().into_dispatch(),
-                    LinearShader::CoopEmulated,
-                ))
-            },
-        };
-        let (block, columns, depth) = (
-            COOP_ROWS as usize,
-            COOP_COLUMNS as usize,
-            COOP_DEPTH as usize,
-        );
-        for rows in [1, block + 1] {
-            for (in_features, out_features) in [
-                (4, 4),
-                (depth - 4, columns - 4),
-                (2 * depth + 4, 2 * columns + 4),
-            ] {
-                check_ours(
-                    &gpu,
-                    &ours,
-                    [rows, in_features, out_features],
-                    DType::F16,
-                    1,
-                );
+        for tiling in CoopTiling::ALL {
+            let name = format!("coop {tiling:?} (emulated)");
+            let ours = Ours {
+                name: &name,
+                truncating_sums: false,
+                run: &|x, weight_t, bias| {
+                    Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_wgsl(
+                        x.into_dispatch(),
+                        weight_t.clone().into_dispatch(),
+                        bias.clone().into_dispatch(),
+                        LinearShader::CoopEmulated(tiling),
+                    ))
+                },
+            };
+            let (block, columns, depth) = (
+                COOP_ROWS as usize,
+                COOP_COLUMNS as usize,
+                COOP_DEPTH as usize,
+            );
+            for rows in [1, block + 1] {
+                for (in_features, out_features) in [
+                    (4, 4),
+                    (depth - 4, columns - 4),
+                    (2 * depth + 4, 2 * columns + 4),
+                ] {
+                    check_ours(
+                        &gpu,
+                        &ours,
+                        [rows, in_features, out_features],
+                        DType::F16,
+                        1,
+                    );
+                }
             }
+            // `attn.qkv` of the 2B shape: 40 slices deep, 30 blocks across.
+            check_ours(&gpu, &ours, [block + 3, 1280, 3840], DType::F16, 1);
         }
-        // `attn.qkv` of the 2B shape: 40 slices deep, 30 blocks across.
-        check_ours(&gpu, &ours, [block + 3, 1280, 3840], DType::F16, 1);
     }
 
     /// The cooperative-matrix kernel, in f16 where the device offers it (not lavapipe): row
@@ -1231,9 +1294,18 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
         let Some(gpu) = device::gpu_for_tests() else {
             return;
         };
-        if coop_for_tests(&gpu).is_none() {
-            return;
+        for (tiling, kernel) in [
+            (CoopTiling::Narrow, LinearKernel::Coop),
+            (CoopTiling::Wide, LinearKernel::CoopWide),
+        ] {
+            if coop_for_tests(&gpu, tiling).is_some() {
+                coop_kernel_matches_float64(&gpu, kernel);
+            }
         }
+    }
+
+    /// [`coop_matches_float64`] for one of the coop kernels.
+    fn coop_kernel_matches_float64(gpu: &RuntimeDevice, kernel: LinearKernel) {
         let repeats = std::env::var("MMLORA_COOP_REPEATS").map_or(1, |repeats| {
             repeats
                 .parse::<usize>()
@@ -1247,7 +1319,7 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
             COOP_DEPTH as usize,
         );
         let coop = |shape: [usize; 3]| {
-            check_repeated(&gpu, LinearKernel::Coop, shape, DType::F16, repeats);
+            check_repeated(gpu, kernel, shape, DType::F16, repeats);
         };
         for rows in [1, block - 1, block, block + 1, 3 * block + 5] {
             for (in_features, out_features) in [
@@ -1273,7 +1345,8 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
             return;
         };
         let mut dtypes = vec![DType::F32];
-        if coop_subgroup(&gpu).is_none() && device::f16_for_tests(&gpu) {
+        let coop = CoopTiling::ALL.map(|tiling| coop_subgroup(&gpu, tiling).is_some());
+        if coop == [false; 2] && device::f16_for_tests(&gpu) {
             dtypes.push(DType::F16);
         }
         let d = &gpu.device;
@@ -1285,11 +1358,13 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
             let weight_t = Tensor::<2>::from_data(TensorData::new(integers(96, 5), [8, 12]), d);
             let bias = Tensor::<1>::from_data(TensorData::new(integers(12, 4), [12]), d);
             let (x, weight_t, bias) = (x.cast(dtype), weight_t.cast(dtype), bias.cast(dtype));
-            let coop = linear(x.clone(), &weight_t, Some(&bias), LinearKernel::Coop);
-            let burns = linear(x, &weight_t, Some(&bias), LinearKernel::Burn);
-            // Small integers: every sum is exact (in f16 too), whatever kernel Burn's autotune
-            // takes.
-            coop.into_data().assert_eq(&burns.into_data(), true);
+            let burns = linear(x.clone(), &weight_t, Some(&bias), LinearKernel::Burn).into_data();
+            for kernel in [LinearKernel::Coop, LinearKernel::CoopWide] {
+                let coop = linear(x.clone(), &weight_t, Some(&bias), kernel);
+                // Small integers: every sum is exact (in f16 too), whatever kernel Burn's
+                // autotune takes.
+                coop.into_data().assert_eq(&burns, true);
+            }
         }
     }
 
@@ -1321,8 +1396,11 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
                 assert_eq!(take(shader, [f32s; 3], widths), None, "{widths:?}");
             }
         }
-        assert_eq!(take(LinearShader::Coop, [f16s; 3], shape), Some(Elem::F16));
-        assert_eq!(take(LinearShader::Coop, [f32s; 3], shape), None);
+        for tiling in CoopTiling::ALL {
+            let coop = LinearShader::Coop(tiling);
+            assert_eq!(take(coop, [f16s; 3], shape), Some(Elem::F16));
+            assert_eq!(take(coop, [f32s; 3], shape), None);
+        }
         // A weight or bias whose shape is not the product's.
         let f32_at = |shape| (f32s, shape);
         assert_eq!(
@@ -1355,22 +1433,42 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
             workgroup_bytes,
             subgroups,
         };
+        let (narrow, wide) = (
+            LinearShader::Coop(CoopTiling::Narrow),
+            LinearShader::Coop(CoopTiling::Wide),
+        );
         let gles = capacity(128, 16 << 10, [32, 32]);
         assert!(LinearShader::Registers.runs_on(gles));
         assert!(!LinearShader::Tiled.runs_on(gles));
-        assert!(!LinearShader::Coop.runs_on(gles));
+        assert!(!narrow.runs_on(gles));
+        assert!(!wide.runs_on(gles), "its slices alone take 18 KiB");
         let big = capacity(1024, 48 << 10, [32, 32]);
         assert!(LinearShader::Tiled.runs_on(big));
-        assert!(LinearShader::Coop.runs_on(big));
+        assert!(narrow.runs_on(big));
+        assert!(wide.runs_on(big));
         for subgroups in [[8, 8], [16, 32], [128, 128]] {
-            assert!(
-                !LinearShader::Coop.runs_on(capacity(1024, 48 << 10, subgroups)),
-                "{subgroups:?}"
-            );
+            for coop in [narrow, wide] {
+                assert!(
+                    !coop.runs_on(capacity(1024, 48 << 10, subgroups)),
+                    "{coop:?} {subgroups:?}"
+                );
+            }
         }
-        let bytes = CoopLayout::for_subgroup(16).unwrap().workgroup_bytes();
-        assert!(LinearShader::Coop.runs_on(capacity(256, bytes, [16, 16])));
-        assert!(!LinearShader::Coop.runs_on(capacity(256, bytes - 1, [16, 16])));
+        for subgroup in [16, 64] {
+            let at = capacity(1024, 48 << 10, [subgroup, subgroup]);
+            assert!(narrow.runs_on(at) && !wide.runs_on(at), "{subgroup}");
+        }
+        let bytes = CoopLayout::new(CoopTiling::Narrow, 16)
+            .unwrap()
+            .workgroup_bytes();
+        assert!(narrow.runs_on(capacity(256, bytes, [16, 16])));
+        assert!(!narrow.runs_on(capacity(256, bytes - 1, [16, 16])));
+        let bytes = CoopLayout::new(CoopTiling::Wide, 32)
+            .unwrap()
+            .workgroup_bytes();
+        assert!(wide.runs_on(capacity(128, bytes, [32, 32])));
+        assert!(!wide.runs_on(capacity(128, bytes - 1, [32, 32])));
+        assert!(!wide.runs_on(capacity(64, bytes, [32, 32])));
     }
 
     /// Flex's linear (a `gemm` call onto rows of the bias) against float64: widths that are
@@ -1452,13 +1550,14 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
             d,
         );
         let bias = Tensor::<1>::from_data([0.5f32, -0.5, 1.0, 2.0], d);
-        let coop = coop_for_tests(&gpu).is_some();
-        for (kernel, dtype) in [
-            (LinearKernel::Wgsl, DType::F32),
-            (LinearKernel::Tiled, DType::F32),
-            (LinearKernel::Coop, DType::F16),
+        let coop = CoopTiling::ALL.map(|tiling| coop_for_tests(&gpu, tiling).is_some());
+        for (kernel, dtype, runs) in [
+            (LinearKernel::Wgsl, DType::F32, true),
+            (LinearKernel::Tiled, DType::F32, true),
+            (LinearKernel::Coop, DType::F16, coop[0]),
+            (LinearKernel::CoopWide, DType::F16, coop[1]),
         ] {
-            if kernel == LinearKernel::Coop && !coop {
+            if !runs {
                 continue;
             }
             let (block_rows, _) = kernel.shader().unwrap().block();
@@ -1475,7 +1574,7 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
 
     #[test]
     fn auto_and_the_candidates_follow_the_device() {
-        use LinearKernel::{Auto, Burn, Coop, Tiled, Timed, Wgsl};
+        use LinearKernel::{Auto, Burn, Coop, CoopWide, Tiled, Timed, Wgsl};
         let cpu = device::cpu();
         for dtype in [DType::F32, DType::F16] {
             assert_eq!(LinearKernel::candidates(&cpu, dtype), &[Burn]);
@@ -1484,12 +1583,17 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
         assert_eq!(Wgsl.resolve(&cpu), Wgsl);
         if let Some(gpu) = device::gpu_for_tests() {
             let tiled = LinearShader::Tiled.runs_on(Capacity::of_wgpu(gpu.wgpu.as_ref().unwrap()));
-            let coop = gpu.hardware_gpu && coop_for_tests(&gpu).is_some();
+            let coop = CoopTiling::ALL
+                .map(|tiling| gpu.hardware_gpu && coop_for_tests(&gpu, tiling).is_some());
             let (auto, f32s, f16s): (_, &[_], &[_]) = match (gpu.hardware_gpu, tiled, coop) {
                 (false, _, _) => (Wgsl, &[Wgsl, Burn], &[Wgsl, Burn]),
                 (true, false, _) => (Timed, &[Burn], &[Burn]),
-                (true, true, false) => (Timed, &[Burn, Tiled], &[Burn, Tiled]),
-                (true, true, true) => (Timed, &[Burn, Tiled], &[Burn, Tiled, Coop]),
+                (true, true, [false, false]) => (Timed, &[Burn, Tiled], &[Burn, Tiled]),
+                (true, true, [true, false]) => (Timed, &[Burn, Tiled], &[Burn, Tiled, Coop]),
+                (true, true, [false, true]) => (Timed, &[Burn, Tiled], &[Burn, Tiled, CoopWide]),
+                (true, true, [true, true]) => {
+                    (Timed, &[Burn, Tiled], &[Burn, Tiled, Coop, CoopWide])
+                }
             };
             assert_eq!(LinearKernel::candidates(&gpu, DType::F32), f32s);
             assert_eq!(LinearKernel::candidates(&gpu, DType::F16), f16s);
@@ -1514,22 +1618,32 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
     /// at another size or in f32.
     #[test]
     fn coop_shader_validates_and_translates_to_spirv() {
-        for subgroup in [16, 32, 64] {
-            let layout = CoopLayout::for_subgroup(subgroup).unwrap();
-            let (down, across) = layout.matrices();
-            assert_eq!(
-                layout.subgroups * down * across,
-                64,
-                "the cells cover the block"
-            );
-            let what = format!("linear_coop.wgsl (subgroup {subgroup})");
-            let source = LinearShader::Coop.render(Elem::F16, subgroup).unwrap();
-            validate_and_translate_to_spirv(&source, &what);
-            assert_eq!(LinearShader::Coop.render(Elem::F32, subgroup), None);
-        }
-        for subgroup in [8, 128] {
-            assert_eq!(CoopLayout::for_subgroup(subgroup), None);
-            assert_eq!(LinearShader::Coop.render(Elem::F16, subgroup), None);
+        for (tiling, subgroups) in [
+            (CoopTiling::Narrow, &[16, 32, 64][..]),
+            (CoopTiling::Wide, &[32][..]),
+        ] {
+            let coop = LinearShader::Coop(tiling);
+            for &subgroup in subgroups {
+                let layout = CoopLayout::new(tiling, subgroup).unwrap();
+                let (down, across) = layout.matrices();
+                assert_eq!(
+                    layout.subgroups * down * across,
+                    64,
+                    "the cells cover the block"
+                );
+                assert_eq!(layout.subgroups * subgroup, layout.workgroup);
+                assert!(down * across <= 16, "at most 16 matrices of sums");
+                let what = format!("linear_coop.wgsl ({tiling:?}, subgroup {subgroup})");
+                let source = coop.render(Elem::F16, subgroup).unwrap();
+                validate_and_translate_to_spirv(&source, &what);
+                assert_eq!(coop.render(Elem::F32, subgroup), None);
+            }
+            for subgroup in [8, 16, 32, 64, 128] {
+                if !subgroups.contains(&subgroup) {
+                    assert_eq!(CoopLayout::new(tiling, subgroup), None);
+                    assert_eq!(coop.render(Elem::F16, subgroup), None);
+                }
+            }
         }
     }
 }

@@ -375,7 +375,7 @@ mod tests {
 
     use super::*;
     use crate::device;
-    use crate::model::gemm::coop_for_tests;
+    use crate::model::gemm::{CoopTiling, coop_for_tests};
 
     /// The CPU backend and, where wgpu finds one, the GPU.
     fn devices() -> Vec<RuntimeDevice> {
@@ -453,12 +453,13 @@ mod tests {
     /// Every kernel that may be timed, whichever the device offers, but the coop one.
     const ALL: &[LinearKernel] = &[LinearKernel::Burn, LinearKernel::Wgsl, LinearKernel::Tiled];
 
-    /// [`ALL`] and the coop kernel.
+    /// [`ALL`] and the coop kernels.
     const ALL_AND_COOP: &[LinearKernel] = &[
         LinearKernel::Burn,
         LinearKernel::Wgsl,
         LinearKernel::Tiled,
         LinearKernel::Coop,
+        LinearKernel::CoopWide,
     ];
 
     /// The dtypes `on` computes in: f32, and f16 where it has it.
@@ -470,10 +471,14 @@ mod tests {
         dtypes
     }
 
-    /// The kernels to time on `on` in `dtype`: [`ALL`], and the coop kernel in f16 where the
-    /// device runs it (under `MMLORA_EXPECT_COOP=1` a GPU that does not fails the test).
+    /// The kernels to time on `on` in `dtype`: [`ALL`], and the coop kernels in f16 where the
+    /// device runs both (under `MMLORA_EXPECT_COOP=1` a GPU that does not fails the test).
     fn timed_here(on: &RuntimeDevice, dtype: DType) -> &'static [LinearKernel] {
-        let coop = on.wgpu.is_some() && dtype == DType::F16 && coop_for_tests(on).is_some();
+        let coop = on.wgpu.is_some()
+            && dtype == DType::F16
+            && CoopTiling::ALL
+                .iter()
+                .all(|&tiling| coop_for_tests(on, tiling).is_some());
         if coop { ALL_AND_COOP } else { ALL }
     }
 
