@@ -837,10 +837,11 @@ fn options_that_cannot_work_are_refused() {
 fn coop_is_refused_where_it_cannot_run() {
     let gpu = device::gpu_for_tests();
     let devices = [Some(device::cpu()), gpu].into_iter().flatten();
-    for (device, linear_kernel) in devices
-        .flat_map(|device| [LinearKernel::Coop, LinearKernel::CoopWide].map(|k| (device.clone(), k)))
-    {
-        let tiling = linear_kernel.coop_tiling().expect("a coop kernel has a tiling");
+    let kernels = [LinearKernel::Coop, LinearKernel::CoopWide];
+    for (device, linear_kernel) in devices.flat_map(|device| kernels.map(|k| (device.clone(), k))) {
+        let tiling = linear_kernel
+            .coop_tiling()
+            .expect("a coop kernel has a tiling");
         let coop = gemm::coop_subgroup(&device, tiling).is_some();
         for precision in [Precision::F32, Precision::F16] {
             let options = EngineOptions {
@@ -853,7 +854,8 @@ fn coop_is_refused_where_it_cannot_run() {
             match opened {
                 Ok(_) => assert!(
                     runs,
-                    "coop in {} opened on {}",
+                    "{} in {} opened on {}",
+                    linear_kernel.name(),
                     precision.name(),
                     device.description
                 ),
