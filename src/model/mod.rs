@@ -4,6 +4,7 @@ pub mod activation;
 pub mod checkpoint;
 pub mod exp;
 pub mod fused_attention;
+pub mod fused_rotary;
 pub mod gemm;
 pub mod linear_choice;
 pub mod qwen2_vl;

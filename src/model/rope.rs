@@ -4,16 +4,20 @@
 //! products and a sum: five passes over `q` (and five over `k`) per block, each on one core on
 //! Flex (the CPU backend), 5.5 ms per tensor at 2048 rows of Qwen2-VL-2B. Flex here makes one
 //! pass over the rows, split over the rayon threads, with the same products and sum in the same
-//! order, so it gives the same bits. The GPU backends keep the composed form ([`composed`]),
-//! which Burn's fusion compiles with its neighbours.
+//! order, so it gives the same bits.
+//!
+//! The tower rotates `q` and `k` where the packed `qkv` output holds them, in f32 whatever the
+//! precision ([`rotate_packed`]). Composed, that is a copy of the part out of `qkv`, two casts
+//! and the five passes; on the H200 the rotary stage took 41–46 ms of a 613 ms pass
+//! (BENCHMARKS.md). On the wgpu backend `shaders/rotary.wgsl` does it in one pass that reads
+//! the part where it lies ([`crate::model::fused_rotary`]); elsewhere it stays composed.
 
 use std::ops::Range;
 
 use burn::backend::{
     Backend, Dispatch, Flex, TensorMetadata, backend_extension, tensor::FloatTensor,
-    wgpu::CubeBackend,
 };
-use burn::tensor::{DType, Shape, Tensor};
+use burn::tensor::{DType, FloatDType, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::lora::ops::native::{dense, values, values_mut};
@@ -34,6 +38,19 @@ pub trait RopeBackend: Backend {
         sin: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         composed::<Self>(x, cos, sin)
+    }
+
+    /// Part `part` of `qkv` (`[rows, parts, heads, head_dim]`, `head_dim` even), rotated as
+    /// [`RopeBackend::rotate`] does but in f32 whatever `qkv`'s dtype, and returned in that
+    /// dtype, `[rows, heads, head_dim]`; `cos`, `sin`: `[rows, 1, head_dim]` in f32.
+    #[fusion(dtype = qkv, shape = Shape::from([qkv[0], qkv[2], qkv[3]]))]
+    fn rotate_packed(
+        qkv: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        part: usize,
+    ) -> FloatTensor<Self> {
+        packed_composed::<Self>(qkv, cos, sin, part)
     }
 }
 
@@ -56,6 +73,32 @@ pub fn composed<B: Backend>(
     B::float_add(B::float_mul(x, cos), B::float_mul(rotated, sin))
 }
 
+/// [`RopeBackend::rotate_packed`] from the backend's own ops: the part sliced out, cast to f32,
+/// rotated by [`RopeBackend::rotate`] and cast back.
+pub fn packed_composed<B: RopeBackend>(
+    qkv: FloatTensor<B>,
+    cos: FloatTensor<B>,
+    sin: FloatTensor<B>,
+    part: usize,
+) -> FloatTensor<B> {
+    let [rows, _, heads, head_dim] = qkv.shape().dims::<4>();
+    let dtype = qkv.dtype();
+    let x = B::float_slice(
+        qkv,
+        &[
+            (0..rows).into(),
+            (part..part + 1).into(),
+            (0..heads).into(),
+            (0..head_dim).into(),
+        ],
+    );
+    let x = B::float_cast(
+        B::float_reshape(x, Shape::from([rows, heads, head_dim])),
+        FloatDType::F32,
+    );
+    B::float_cast(B::rotate(x, cos, sin), FloatDType::from(dtype))
+}
+
 /// `x·cos + rotate_half(x)·sin` on the backend of `x`'s device (shapes as in
 /// [`RopeBackend::rotate`]).
 pub fn rotate(x: Tensor<3>, cos: &Tensor<3>, sin: &Tensor<3>) -> Tensor<3> {
@@ -66,15 +109,18 @@ pub fn rotate(x: Tensor<3>, cos: &Tensor<3>, sin: &Tensor<3>) -> Tensor<3> {
     ))
 }
 
-/// [`rotate`] computed in f32 whatever `x`'s dtype, the result in `x`'s dtype: under f16,
-/// transformers' Qwen2-VL rotates `q` and `k` in f32 with f32 angles and casts back
-/// (`apply_rotary_pos_emb_vision`), one rounding to f16 per value. `cos` and `sin` are f32.
-pub fn rotate_in_f32(x: Tensor<3>, cos: &Tensor<3>, sin: &Tensor<3>) -> Tensor<3> {
-    let dtype = x.dtype();
-    rotate(x.cast(DType::F32), cos, sin).cast(dtype)
+/// Part `part` of `qkv` (`[rows, parts, heads, head_dim]`) rotated in f32 whatever `qkv`'s
+/// dtype, the result `[rows, heads, head_dim]` in that dtype: under f16, transformers' Qwen2-VL
+/// rotates `q` and `k` in f32 with f32 angles and casts back (`apply_rotary_pos_emb_vision`),
+/// one rounding to f16 per value. `cos` and `sin` are `[rows, 1, head_dim]` in f32.
+pub fn rotate_packed(qkv: &Tensor<4>, part: usize, cos: &Tensor<3>, sin: &Tensor<3>) -> Tensor<3> {
+    Tensor::from_dispatch(<Dispatch as RopeBackend>::rotate_packed(
+        qkv.clone().into_dispatch(),
+        cos.clone().into_dispatch(),
+        sin.clone().into_dispatch(),
+        part,
+    ))
 }
-
-impl RopeBackend for CubeBackend {}
 
 impl RopeBackend for Flex {
     /// f32 in one parallel pass over the rows, in place when `x` is dense and not shared; other
@@ -131,7 +177,7 @@ fn rotate_head(head: &mut [f32], cos: &[f32], sin: &[f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device;
+    use crate::device::{self, RuntimeDevice};
     use burn::tensor::Distribution;
 
     /// Flex's pass gives the composed form's bits: at the 2B shape (rows spanning several
@@ -172,60 +218,97 @@ mod tests {
         }
     }
 
-    /// In f16 (on a GPU with `SHADER_F16`), each value is the float64 rotation of the f16 inputs
-    /// rounded to f16 once, as transformers computes it: rotating in f16 rounds each product
-    /// and the sum too, and misses this bound.
+    /// [`rotate_packed`] on every device there is (Flex, and our kernel on the GPU), in f32 and
+    /// in f16 where the GPU has it: each value is the float64 rotation of the inputs, rounded
+    /// once to the output's type, as transformers computes it (rotating in f16 rounds each
+    /// product and the sum too, and misses this bound). Shapes: the 2B tower's heads with
+    /// every part of the packed tensor, and heads whose halves are odd.
     #[test]
-    fn f16_rotates_in_f32_and_rounds_once() {
-        let Some(gpu) = device::gpu_for_tests().filter(device::f16_for_tests) else {
+    fn packed_parts_rotate_in_f32_and_round_once() {
+        let mut runs = vec![(device::cpu(), DType::F32)];
+        if let Some(gpu) = device::gpu_for_tests() {
+            runs.push((gpu.clone(), DType::F32));
+            if device::f16_for_tests(&gpu) {
+                runs.push((gpu, DType::F16));
+            }
+        }
+        for (on, dtype) in runs {
+            for (rows, parts, heads, head_dim) in [(37, 3, 16, 80), (5, 2, 3, 6)] {
+                for part in 0..parts {
+                    check_packed(&on, dtype, [rows, parts, heads, head_dim], part);
+                }
+            }
+        }
+    }
+
+    /// More rows than one dispatch may hold: the rows past the first launch come out of the
+    /// second one, right.
+    #[test]
+    fn packed_rows_beyond_one_dispatch() {
+        let Some(gpu) = device::gpu_for_tests() else {
             return;
         };
-        // The 2B tower's heads; values up to 8 and angles of every sign, so sums cancel.
-        let (rows, heads, head_dim) = (64, 16, 80);
-        let x = Tensor::<3>::random(
-            [rows, heads, head_dim],
-            Distribution::Uniform(-8.0, 8.0),
-            &gpu.device,
-        )
-        .cast(DType::F16);
+        let rows = crate::wgsl::MAX_WORKGROUPS_PER_DIM as usize + 3;
+        check_packed(&gpu, DType::F32, [rows, 2, 1, 2], 1);
+    }
+
+    /// [`rotate_packed`] of part `part` of a random `[rows, parts, heads, head_dim]` tensor of
+    /// `dtype` on `on`, against float64.
+    fn check_packed(on: &RuntimeDevice, dtype: DType, shape: [usize; 4], part: usize) {
+        let [rows, _, heads, head_dim] = shape;
+        // Values up to 8 and angles of every sign, so sums cancel.
+        let qkv =
+            Tensor::<4>::random(shape, Distribution::Uniform(-8.0, 8.0), &on.device).cast(dtype);
         let angle = || {
             Tensor::<3>::random(
                 [rows, 1, head_dim],
                 Distribution::Uniform(-1.0, 1.0),
-                &gpu.device,
+                &on.device,
             )
         };
         let (cos, sin) = (angle(), angle());
-        let got = rotate_in_f32(x.clone(), &cos, &sin);
-        assert_eq!(got.dtype(), DType::F16);
+        let got = rotate_packed(&qkv, part, &cos, &sin);
+        assert_eq!(got.dims(), [rows, heads, head_dim]);
+        assert_eq!(got.dtype(), dtype);
         let floats = |t: Tensor<3>| -> Vec<f64> {
             let values = t.cast(DType::F32).into_data().try_to_vec::<f32>().unwrap();
             values.into_iter().map(f64::from).collect()
         };
-        let (x, cos, sin, got) = (floats(x), floats(cos), floats(sin), floats(got));
+        let x = floats(
+            qkv.slice([0..rows, part..part + 1])
+                .reshape([rows, heads, head_dim]),
+        );
+        let (cos, sin, got) = (floats(cos), floats(sin), floats(got));
         let half = head_dim / 2;
         for (i, &y) in got.iter().enumerate() {
             let (row, j) = (i / (heads * head_dim), i % head_dim);
             let head = i - j;
             let angle = row * head_dim + j;
-            let (own, partner) = if j < half {
-                (x[i], -x[head + j + half])
+            let partner = if j < half {
+                -x[head + j + half]
             } else {
-                (x[i], x[head + j - half])
+                x[head + j - half]
             };
-            let (a, b) = (own * cos[angle], partner * sin[angle]);
+            let (a, b) = (x[i] * cos[angle], partner * sin[angle]);
             let exact = a + b;
-            // Tolerance: half an f16 ulp of the result (its one rounding; 2^-24 below f16's
-            // normal range) plus f32's two products and sum, 2^-23 · (|a| + |b|).
-            let ulp = if exact.abs() < 2f64.powi(-14) {
-                2f64.powi(-24)
+            // Tolerance: f32's two products and sum, 2^-23 · (|a| + |b|), plus in f16 half an
+            // f16 ulp of the result (its one rounding; 2^-24 below f16's normal range).
+            let rounding = if dtype == DType::F16 {
+                let ulp = if exact.abs() < 2f64.powi(-14) {
+                    2f64.powi(-24)
+                } else {
+                    2f64.powi(exact.abs().log2().floor() as i32 - 10)
+                };
+                ulp / 2.0
             } else {
-                2f64.powi(exact.abs().log2().floor() as i32 - 10)
+                0.0
             };
-            let bound = ulp / 2.0 + 2f64.powi(-23) * (a.abs() + b.abs());
+            let bound = rounding + 2f64.powi(-23) * (a.abs() + b.abs());
             assert!(
                 (y - exact).abs() <= bound,
-                "value {i}: {y} against {exact}, bound {bound:e}"
+                "{} {dtype:?} {shape:?} part {part}, value {i}: {y} against {exact}, bound \
+                 {bound:e}",
+                on.description
             );
         }
     }

@@ -391,8 +391,8 @@ mod tests {
     use super::*;
     use crate::device;
     use crate::lora::meta::{KernelMeta, NO_SLOT};
-    use crate::model::fused_attention;
     use crate::model::gemm::LinearShader;
+    use crate::model::{fused_attention, fused_rotary};
     use crate::wgsl::validate_and_translate;
     use proptest::prelude::*;
 
@@ -569,7 +569,8 @@ mod tests {
             assert!(
                 LoraShader::ALL.iter().any(|s| s.file_name() == file)
                     || LinearShader::ALL.iter().any(|s| s.file_name() == file)
-                    || file == fused_attention::FILE_NAME,
+                    || file == fused_attention::FILE_NAME
+                    || file == fused_rotary::FILE_NAME,
                 "shaders/{file} is not a kernel the runtime knows, so it is never checked"
             );
         }

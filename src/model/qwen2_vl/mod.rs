@@ -407,7 +407,7 @@ impl Qwen2VlVision {
                 "grid {g:?} is not a multiple of the merge size {m}"
             )));
         }
-        // f32 angles in every precision: rotary runs in f32 (`rope::rotate_in_f32`).
+        // f32 angles in every precision: rotary runs in f32 (`rope::rotate_packed`).
         let rotary = rotary::tables(grids, &self.config, &self.device);
         // Each frame of each image attends only to itself; the same pieces in every block.
         let segments: Vec<usize> = grids
@@ -464,16 +464,11 @@ impl Qwen2VlVision {
         let qkv = self
             .linear(&block.qkv, x, tower, Stage::Qkv)?
             .reshape([rows, 3, heads, hd]);
-        let part = |i: usize| {
-            qkv.clone()
-                .slice([0..rows, i..i + 1])
-                .reshape([rows, heads, hd])
-        };
         let [q_cos, q_sin] = &rotary.q;
         let [k_cos, k_sin] = &rotary.k;
-        let q = rope::rotate_in_f32(part(0), q_cos, q_sin);
-        let k = rope::rotate_in_f32(part(1), k_cos, k_sin);
-        let v = part(2);
+        let q = rope::rotate_packed(&qkv, 0, q_cos, q_sin);
+        let k = rope::rotate_packed(&qkv, 1, k_cos, k_sin);
+        let v = qkv.slice([0..rows, 2..3]).reshape([rows, heads, hd]);
         self.stages.mark(Stage::Rotary);
         let outputs = pieces
             .iter()

@@ -1,0 +1,122 @@
+//! Rotary as one WGSL kernel on the wgpu backend: [`RopeBackend::rotate_packed`] for
+//! [`CubeBackend`].
+//!
+//! Composed ([`rope::packed_composed`]), rotating `q` or `k` of the tower's packed `qkv` is a
+//! copy of the part, a cast to f32, two slices, a negation, a concatenation, two products, a
+//! sum and a cast back. `shaders/rotary.wgsl` reads the part where it lies in `qkv` and writes
+//! the rotated values once, in one launch per 65 535 rows.
+
+use burn::backend::wgpu::{CubeBackend, CubeTensor, KernelSource, SourceTemplate};
+use burn::tensor::DType;
+use burn_cubecl::cubecl::ir::attributes::BufferIOAttr;
+use burn_cubecl::cubecl::prelude::KernelId;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+
+use crate::model::rope::{self, RopeBackend};
+use crate::wgsl::{self, Elem};
+
+/// The kernel's file under `shaders/`.
+pub const FILE_NAME: &str = "rotary.wgsl";
+
+/// Invocations per workgroup: one (head, pair of values) each.
+pub const WORKGROUP: u32 = 64;
+
+impl RopeBackend for CubeBackend {
+    /// `shaders/rotary.wgsl` for f32 and f16 `qkv` with f32 angles; the composed form for
+    /// other dtypes.
+    fn rotate_packed(qkv: CubeTensor, cos: CubeTensor, sin: CubeTensor, part: usize) -> CubeTensor {
+        let shape = qkv.meta.shape();
+        let [rows, parts, heads, head_dim] = [shape[0], shape[1], shape[2], shape[3]];
+        let elem = match qkv.dtype {
+            DType::F32 => Elem::F32,
+            DType::F16 => Elem::F16,
+            _ => return rope::packed_composed::<Self>(qkv, cos, sin, part),
+        };
+        let pairs = heads * (head_dim / 2);
+        let pair_blocks = u32::try_from(pairs.div_ceil(WORKGROUP as usize)).unwrap_or(u32::MAX);
+        if [cos.dtype, sin.dtype] != [DType::F32; 2] || pair_blocks > wgsl::MAX_WORKGROUPS_PER_DIM {
+            return rope::packed_composed::<Self>(qkv, cos, sin, part);
+        }
+        assert!(
+            head_dim.is_multiple_of(2) && part < parts,
+            "rotary takes an even head width and one of the packed parts"
+        );
+        let (qkv, cos, sin) = (
+            into_contiguous(qkv),
+            into_contiguous(cos),
+            into_contiguous(sin),
+        );
+        let out = empty_device_contiguous_dtype(
+            qkv.client.clone(),
+            qkv.device.clone(),
+            [rows, heads, head_dim].into(),
+            qkv.dtype,
+        );
+        if pairs == 0 {
+            return out;
+        }
+        let rows = u32::try_from(rows).expect("rows fit a u32");
+        let read = BufferIOAttr::ReadOnly;
+        // Rows beyond one dispatch's limit go in further launches.
+        for (first_row, count) in wgsl::launches(rows) {
+            wgsl::launch(
+                RotarySource { elem },
+                WORKGROUP,
+                (pair_blocks, count),
+                &[
+                    (&qkv, read),
+                    (&cos, read),
+                    (&sin, read),
+                    (&out, BufferIOAttr::WriteOnly),
+                ],
+                &[
+                    heads as u32,
+                    head_dim as u32,
+                    parts as u32,
+                    part as u32,
+                    first_row,
+                ],
+            );
+        }
+        out
+    }
+}
+
+/// `shaders/rotary.wgsl` for one element type.
+#[derive(Debug, Clone, Copy)]
+struct RotarySource {
+    elem: Elem,
+}
+
+impl KernelSource for RotarySource {
+    fn source(&self) -> SourceTemplate {
+        SourceTemplate::new(include_str!("../../shaders/rotary.wgsl"))
+            .register("workgroup", WORKGROUP.to_string())
+            .register("elem", self.elem.wgsl())
+            .register("enable", self.elem.enable())
+    }
+
+    fn id(&self) -> KernelId {
+        KernelId::new::<Self>().info(self.elem)
+    }
+
+    fn lang(&self) -> &'static str {
+        "wgsl"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernel in both element types is valid WGSL that naga translates for every backend
+    /// wgpu has.
+    #[test]
+    fn every_variant_validates() {
+        for elem in Elem::ALL {
+            let source = RotarySource { elem }.source().complete();
+            wgsl::validate_and_translate(&source, &format!("rotary {elem:?}"));
+        }
+    }
+}
