@@ -495,6 +495,8 @@ fn bench_prints_one_json_object_per_configuration() {
         "lora_ms",
         "naive_ms",
         "lora_overhead",
+        "narrow_lora_ms",
+        "narrow_lora_overhead",
     ] {
         assert!(!ops[0][field].is_null(), "{field} missing in {}", ops[0]);
     }

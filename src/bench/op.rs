@@ -1,7 +1,9 @@
 //! The LoRA op alone, on one device: the base linear it rides on (with its bias, and the kernel
 //! the engine would use), the base plus the op, and the base plus a naive
 //! gather-and-batched-matmul (each row's A and B gathered, two batched matmuls), at a preset's
-//! `attn.qkv` shape with the rows cycling through the adapters.
+//! `attn.qkv` shape with the rows cycling through the adapters. Beside them, the base plus the
+//! op onto its first [`NARROW_COLUMNS`] output columns alone: the whole shrink with next to no
+//! expand, which tells the op's two launches apart.
 
 use std::convert::Infallible;
 use std::time::{Duration, Instant};
@@ -15,6 +17,9 @@ use crate::lora::ops::{LoraBatch, LoraSlice, ShrinkKernel, lora_apply};
 use crate::model::gemm::LinearKernel;
 use crate::model::linear_choice::LinearChoice;
 use crate::model::qwen2_vl::{DEFAULT_BUFFER_LIMIT, VisionConfig};
+
+/// Output columns of the narrow op: its expand adds a vector of four values to each row.
+pub const NARROW_COLUMNS: usize = 4;
 
 /// One op problem: `rows × in_features → out_features`, `adapters` adapters of `rank`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +67,8 @@ pub struct OpInputs {
     weight_t: Tensor<2>,
     bias: Tensor<1>,
     slice: LoraSlice,
+    /// The adapters' A with a B of [`NARROW_COLUMNS`] columns, at the output's first columns.
+    narrow_slice: LoraSlice,
     batch: LoraBatch,
     slots: Tensor<1, Int>,
     /// Rows per chunk of the naive path, so its gathered weights fit one buffer.
@@ -88,6 +95,20 @@ impl OpInputs {
             .expect("slots below the adapter count");
         let limit = on.buffer_limit.unwrap_or(DEFAULT_BUFFER_LIMIT);
         let gathered_row = (rank * (in_features + out_features) * 4) as u64;
+        let lora_b = |columns: usize| {
+            Tensor::<3>::random(
+                [adapters, columns, rank],
+                Distribution::Uniform(-0.1, 0.1),
+                d,
+            )
+            .cast(dtype)
+        };
+        let lora_a = Tensor::<3>::random(
+            [adapters, rank, in_features],
+            Distribution::Uniform(-0.03, 0.03),
+            d,
+        )
+        .cast(dtype);
         Self {
             shape: OpShape {
                 linear_kernel: linear_kernel.resolve(on),
@@ -105,18 +126,13 @@ impl OpInputs {
             bias: Tensor::<1>::random([out_features], Distribution::Uniform(-1.0, 1.0), d)
                 .cast(dtype),
             slice: LoraSlice {
-                a: Tensor::<3>::random(
-                    [adapters, rank, in_features],
-                    Distribution::Uniform(-0.03, 0.03),
-                    d,
-                )
-                .cast(dtype),
-                b: Tensor::<3>::random(
-                    [adapters, out_features, rank],
-                    Distribution::Uniform(-0.1, 0.1),
-                    d,
-                )
-                .cast(dtype),
+                a: lora_a.clone(),
+                b: lora_b(out_features),
+                offset: 0,
+            },
+            narrow_slice: LoraSlice {
+                a: lora_a,
+                b: lora_b(NARROW_COLUMNS.min(out_features)),
                 offset: 0,
             },
             batch: LoraBatch::with_shrink(meta, on, lora_shrink),
@@ -135,10 +151,20 @@ impl OpInputs {
 
     /// `base` plus each row's LoRA delta through the op.
     pub fn lora(&self, base: Tensor<2>) -> Tensor<2> {
+        self.apply(base, &self.slice)
+    }
+
+    /// `base` plus each row's LoRA delta onto its first [`NARROW_COLUMNS`] columns alone,
+    /// through the op: the whole shrink, next to no expand.
+    pub fn narrow_lora(&self, base: Tensor<2>) -> Tensor<2> {
+        self.apply(base, &self.narrow_slice)
+    }
+
+    fn apply(&self, base: Tensor<2>, slice: &LoraSlice) -> Tensor<2> {
         lora_apply(
             self.x.clone(),
             base,
-            std::slice::from_ref(&self.slice),
+            std::slice::from_ref(slice),
             &self.batch,
         )
         .expect("inputs built for the op")
@@ -215,28 +241,37 @@ pub struct OpRecord {
     pub lora_ms: f64,
     /// The base linear plus the naive path, median ms.
     pub naive_ms: f64,
+    /// The base linear plus the op onto its first [`NARROW_COLUMNS`] columns alone (the whole
+    /// shrink, next to no expand), median ms.
+    pub narrow_lora_ms: f64,
     /// What the op adds to the base linear: the median over rounds of `lora / base − 1` within
     /// each round.
     pub lora_overhead: f64,
     /// What the naive path adds to the base linear, the same way.
     pub naive_overhead: f64,
+    /// What the narrow op adds to the base linear, the same way: about the shrink's share of
+    /// [`OpRecord::lora_overhead`].
+    pub narrow_lora_overhead: f64,
 }
 
-/// Times the base linear, base + op and base + naive at `shape`: one warm-up run each, then
-/// `repeats` rounds in turns; medians, and the overheads from each round's pair.
+/// Times the base linear, base + op, base + naive and base + narrow op at `shape`: one
+/// warm-up run each, then `repeats` rounds in turns; medians, and the overheads from each
+/// round's pair.
 pub fn run(shape: OpShape, on: &RuntimeDevice, repeats: usize) -> OpRecord {
     let inputs = OpInputs::new(shape, on);
-    let variants: [&dyn Fn() -> Tensor<2>; 3] =
-        [&|| inputs.base(), &|| inputs.lora(inputs.base()), &|| {
-            inputs.naive(inputs.base())
-        }];
+    let variants: [&dyn Fn() -> Tensor<2>; 4] = [
+        &|| inputs.base(),
+        &|| inputs.lora(inputs.base()),
+        &|| inputs.naive(inputs.base()),
+        &|| inputs.narrow_lora(inputs.base()),
+    ];
     for variant in variants {
         timed(on, 1, variant);
     }
     let Ok(times) = super::in_turns(variants.len(), repeats, |i, _| {
         Ok::<_, Infallible>(timed(on, 1, variants[i]).as_secs_f64() * 1e3)
     });
-    let [base, lora, naive] = [&times[0], &times[1], &times[2]];
+    let [base, lora, naive, narrow] = [&times[0], &times[1], &times[2], &times[3]];
     OpRecord {
         kind: "op",
         device: on.kind().to_owned(),
@@ -252,7 +287,9 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, repeats: usize) -> OpRecord {
         base_ms: super::median(base),
         lora_ms: super::median(lora),
         naive_ms: super::median(naive),
+        narrow_lora_ms: super::median(narrow),
         lora_overhead: super::paired_ratio(lora, base) - 1.0,
         naive_overhead: super::paired_ratio(naive, base) - 1.0,
+        narrow_lora_overhead: super::paired_ratio(narrow, base) - 1.0,
     }
 }

@@ -160,7 +160,8 @@ python3 - "$OUT/results.tar" <<'PY'
 import json, sys, tarfile
 keys = ["kind", "adapters", "rank", "rows", "precision", "linear_kernel", "attention_kernel",
         "median_ms", "img_per_s",
-        "ratio_vs_base", "base_ms", "lora_ms", "naive_ms", "lora_overhead"]
+        "ratio_vs_base", "base_ms", "lora_ms", "naive_ms", "lora_overhead",
+        "narrow_lora_ms", "narrow_lora_overhead"]
 with tarfile.open(sys.argv[1]) as results:
     for name in ["bench", "bench-f16", "torch-fp32", "torch-bf16", "linear-kernels", "coop-f16"]:
         try:
