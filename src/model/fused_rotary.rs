@@ -23,8 +23,9 @@ pub const FILE_NAME: &str = "rotary.wgsl";
 pub const WORKGROUP: u32 = 64;
 
 impl RopeBackend for CubeBackend {
-    /// `shaders/rotary.wgsl` for f32 and f16 `qkv` with f32 angles; the composed form for
-    /// other dtypes.
+    /// `shaders/rotary.wgsl` for f32 and f16 `qkv` with f32 angles of one row each
+    /// (`[rows, 1, head_dim]`, which the kernel indexes unchecked); the composed form, which
+    /// broadcasts, for anything else.
     fn rotate_packed(qkv: CubeTensor, cos: CubeTensor, sin: CubeTensor, part: usize) -> CubeTensor {
         let shape = qkv.meta.shape();
         let [rows, parts, heads, head_dim] = [shape[0], shape[1], shape[2], shape[3]];
@@ -35,7 +36,11 @@ impl RopeBackend for CubeBackend {
         };
         let pairs = heads * (head_dim / 2);
         let pair_blocks = u32::try_from(pairs.div_ceil(WORKGROUP as usize)).unwrap_or(u32::MAX);
-        if [cos.dtype, sin.dtype] != [DType::F32; 2] || pair_blocks > wgsl::MAX_WORKGROUPS_PER_DIM {
+        let table = [rows, 1, head_dim];
+        let tables_fit = [&cos, &sin]
+            .iter()
+            .all(|t| t.dtype == DType::F32 && t.meta.shape().as_slice() == table);
+        if !tables_fit || pair_blocks > wgsl::MAX_WORKGROUPS_PER_DIM {
             return rope::packed_composed::<Self>(qkv, cos, sin, part);
         }
         assert!(

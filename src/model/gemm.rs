@@ -128,9 +128,9 @@ pub enum LinearKernel {
     /// says): the engine refuses it elsewhere.
     Coop,
     /// `shaders/linear_coop.wgsl` as `Coop`, in [`CoopTiling::Wide`]: four subgroups of 32 per
-    /// workgroup, each summing a 64 × 64 cell, so that each matrix it loads feeds four products
-    /// rather than two or three. Only for a device with cooperative matrices and subgroups of
-    /// 32 alone.
+    /// workgroup, each summing a 64 × 64 cell, so that it loads half a matrix from workgroup
+    /// memory per product, against three quarters in `Coop`'s 32 × 64 cells at subgroups of 32.
+    /// Only for a device with cooperative matrices and subgroups of 32 alone.
     CoopWide,
 }
 
@@ -246,8 +246,9 @@ impl LinearKernel {
     /// cooperative-matrix one in each tiling the device runs; on the CPU Burn's (Flex's matmul).
     ///
     /// A hardware GPU whose workgroups take fewer invocations than the tiled kernel's
-    /// [`TILED_WORKGROUP`] (OpenGL ES 3.1 promises 128) runs neither it nor `coop` (as large):
-    /// Burn's alone.
+    /// [`TILED_WORKGROUP`] (OpenGL ES 3.1 promises 128) times none of ours: Burn's alone (such
+    /// a device with cooperative matrices, which `coop-wide`'s 128 invocations would fit, is
+    /// not known).
     pub fn candidates(device: &RuntimeDevice, dtype: DType) -> &'static [LinearKernel] {
         use LinearKernel::{Burn, Coop, CoopWide, Tiled, Wgsl};
         let Some(setup) = device.wgpu.as_ref() else {
@@ -1021,7 +1022,7 @@ mod tests {
         let ours = Ours {
             name: kernel.name(),
             // Tensor cores may truncate their f32 sums rather than round them.
-            truncating_sums: kernel == LinearKernel::Coop,
+            truncating_sums: kernel.coop_tiling().is_some(),
             run: &|x, weight_t, bias| linear(x, weight_t, Some(bias), kernel),
         };
         check_ours(gpu, &ours, shape, dtype, repeats);

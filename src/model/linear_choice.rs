@@ -450,17 +450,8 @@ mod tests {
         }
     }
 
-    /// Every kernel that may be timed, whichever the device offers, but the coop one.
+    /// Every kernel that may be timed, whichever the device offers, but the coop ones.
     const ALL: &[LinearKernel] = &[LinearKernel::Burn, LinearKernel::Wgsl, LinearKernel::Tiled];
-
-    /// [`ALL`] and the coop kernels.
-    const ALL_AND_COOP: &[LinearKernel] = &[
-        LinearKernel::Burn,
-        LinearKernel::Wgsl,
-        LinearKernel::Tiled,
-        LinearKernel::Coop,
-        LinearKernel::CoopWide,
-    ];
 
     /// The dtypes `on` computes in: f32, and f16 where it has it.
     fn dtypes(on: &RuntimeDevice) -> Vec<DType> {
@@ -471,15 +462,22 @@ mod tests {
         dtypes
     }
 
-    /// The kernels to time on `on` in `dtype`: [`ALL`], and the coop kernels in f16 where the
-    /// device runs both (under `MMLORA_EXPECT_COOP=1` a GPU that does not fails the test).
+    /// The kernels to time on `on` in `dtype`: [`ALL`], and in f16 each coop kernel the device
+    /// runs (under `MMLORA_EXPECT_COOP=1` a GPU that does not run both fails the test).
     fn timed_here(on: &RuntimeDevice, dtype: DType) -> &'static [LinearKernel] {
-        let coop = on.wgpu.is_some()
-            && dtype == DType::F16
-            && CoopTiling::ALL
-                .iter()
-                .all(|&tiling| coop_for_tests(on, tiling).is_some());
-        if coop { ALL_AND_COOP } else { ALL }
+        let mut kernels = ALL.to_vec();
+        if on.wgpu.is_some() && dtype == DType::F16 {
+            for (tiling, kernel) in [
+                (CoopTiling::Narrow, LinearKernel::Coop),
+                (CoopTiling::Wide, LinearKernel::CoopWide),
+            ] {
+                if coop_for_tests(on, tiling).is_some() {
+                    kernels.push(kernel);
+                }
+            }
+        }
+        // The choice keeps its candidates for the process, as `LinearKernel::candidates` does.
+        kernels.leak()
     }
 
     #[test]

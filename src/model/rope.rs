@@ -8,8 +8,8 @@
 //!
 //! The tower rotates `q` and `k` where the packed `qkv` output holds them, in f32 whatever the
 //! precision ([`rotate_packed`]). Composed, that is a copy of the part out of `qkv`, two casts
-//! and the five passes; on the H200 the rotary stage took 41–46 ms of a 613 ms pass
-//! (BENCHMARKS.md). On the wgpu backend `shaders/rotary.wgsl` does it in one pass that reads
+//! and the five passes; on the H200 the rotary stage took about 40 ms of a 613 ms f32 pass and
+//! 46 ms of a 374 ms f16 one (BENCHMARKS.md). On the wgpu backend `shaders/rotary.wgsl` does it in one pass that reads
 //! the part where it lies ([`crate::model::fused_rotary`]); elsewhere it stays composed.
 
 use std::ops::Range;
