@@ -13,7 +13,7 @@ use burn::tensor::{Distribution, Tensor};
 use criterion::{Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
 use mmlora::bench::op::timed;
 use mmlora::device::Precision;
-use mmlora::model::gemm::{LinearKernel, coop_subgroup, linear, materialize};
+use mmlora::model::gemm::{LinearKernel, linear, materialize};
 
 /// `(name, in, out)` of each linear of the 2B shape.
 const LAYERS: [(&str, usize, usize); 6] = [
@@ -38,9 +38,8 @@ fn linears(c: &mut Criterion) {
     let mut runs = kernels.map(|k| (Precision::F32, k)).to_vec();
     if gpu.supports(Precision::F16) {
         runs.extend(kernels.map(|k| (Precision::F16, k)));
-        for kernel in [LinearKernel::Coop, LinearKernel::CoopWide] {
-            let tiling = kernel.coop_tiling().expect("a coop kernel has a tiling");
-            if coop_subgroup(&gpu, tiling).is_some() {
+        for kernel in LinearKernel::COOP {
+            if kernel.coop_subgroup(&gpu).is_some() {
                 runs.push((Precision::F16, kernel));
             }
         }

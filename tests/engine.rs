@@ -13,7 +13,7 @@ use mmlora::engine::{
     Encoded, Engine, EngineError, EngineOptions, ImageSource, Request, SharedEngine,
 };
 use mmlora::lora::ops::ShrinkKernel;
-use mmlora::model::gemm::{self, LinearKernel};
+use mmlora::model::gemm::LinearKernel;
 use mmlora::model::sdpa::AttentionKernel;
 use mmlora::preprocess::{Patches, PreprocessConfig};
 
@@ -216,9 +216,8 @@ fn f16_on_the_gpu_stays_close_to_peft_in_f32() {
     };
     let expected = Expected::load();
     let mut kernels = vec![LinearKernel::Auto, LinearKernel::Timed];
-    for kernel in [LinearKernel::Coop, LinearKernel::CoopWide] {
-        let tiling = kernel.coop_tiling().expect("a coop kernel has a tiling");
-        if gemm::coop_subgroup(&gpu, tiling).is_some() {
+    for kernel in LinearKernel::COOP {
+        if kernel.coop_subgroup(&gpu).is_some() {
             kernels.push(kernel);
         }
     }
@@ -837,12 +836,9 @@ fn options_that_cannot_work_are_refused() {
 fn coop_is_refused_where_it_cannot_run() {
     let gpu = device::gpu_for_tests();
     let devices = [Some(device::cpu()), gpu].into_iter().flatten();
-    let kernels = [LinearKernel::Coop, LinearKernel::CoopWide];
+    let kernels = LinearKernel::COOP;
     for (device, linear_kernel) in devices.flat_map(|device| kernels.map(|k| (device.clone(), k))) {
-        let tiling = linear_kernel
-            .coop_tiling()
-            .expect("a coop kernel has a tiling");
-        let coop = gemm::coop_subgroup(&device, tiling).is_some();
+        let coop = linear_kernel.coop_subgroup(&device).is_some();
         for precision in [Precision::F32, Precision::F16] {
             let options = EngineOptions {
                 linear_kernel,

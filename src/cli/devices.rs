@@ -2,7 +2,7 @@
 
 use burn::tensor::wgpu::wgpu;
 use mmlora::device::{self, DeviceChoice, Precision};
-use mmlora::model::gemm::{self, LinearKernel};
+use mmlora::model::gemm::LinearKernel;
 
 use super::CliError;
 
@@ -38,12 +38,11 @@ pub fn run() -> Result<(), CliError> {
                 .as_ref()
                 .expect("a GPU device keeps its wgpu setup");
             let info = setup.adapter.get_info();
-            for kernel in [LinearKernel::Coop, LinearKernel::CoopWide] {
-                let tiling = kernel.coop_tiling().expect("a coop kernel has a tiling");
+            for kernel in LinearKernel::COOP {
                 println!(
                     "  --linear-kernel {}: {}",
                     kernel.name(),
-                    match gemm::coop_subgroup(&gpu, tiling) {
+                    match kernel.coop_subgroup(&gpu) {
                         Some(subgroup) => format!("available, at subgroups of {subgroup}"),
                         None => "unavailable".to_owned(),
                     },

@@ -279,12 +279,21 @@ impl LinearKernel {
         }
     }
 
+    /// The cooperative-matrix kernels, one per tiling.
+    pub const COOP: [LinearKernel; 2] = [LinearKernel::Coop, LinearKernel::CoopWide];
+
     /// The tiling of a cooperative-matrix kernel (`coop`, `coop-wide`); `None` for the others.
     pub fn coop_tiling(self) -> Option<CoopTiling> {
         match self.shader() {
             Some(LinearShader::Coop(tiling)) => Some(tiling),
             _ => None,
         }
+    }
+
+    /// [`coop_subgroup`] of a cooperative-matrix kernel's tiling on `device`: the subgroup size
+    /// it runs at there; `None` where it cannot run, and for the other kernels.
+    pub fn coop_subgroup(self, device: &RuntimeDevice) -> Option<u32> {
+        coop_subgroup(device, self.coop_tiling()?)
     }
 
     /// Our shader behind `self`, if it is one of ours.
