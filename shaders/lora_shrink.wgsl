@@ -4,7 +4,11 @@
 // one adapter slot, taken in slot-sorted order; rows with slot -1 are in no tile and are never
 // touched. Each thread owns four rows of the tile and all RANK_TILE ranks, and sums every
 // SPLIT-th group of LANES columns of x (split-K: neighbouring threads read neighbouring groups);
-// the SPLIT partial sums of each output are added up through workgroup memory at the end.
+// the SPLIT partial sums of each output are added up through workgroup memory at the end, by
+// PARTS threads per output and then one.
+//
+// WORKGROUP is 64 (the `split` kernels: SPLIT = 16) or 256 (`wide`: SPLIT = 64, a quarter of
+// the columns per thread, four times the loads in flight per tile).
 //
 // LANES is 4 where in_features is a multiple of 4 (every load a vec4 of neighbouring columns),
 // else 1. Four columns per load is four times the multiply-adds per load: loads, not
@@ -38,14 +42,18 @@ fn widen(v: LOAD) -> vec4<f32> {
     return {{ widen }};
 }
 
-const WORKGROUP: u32 = {{ workgroup }}u;
-const TILE_ROWS: u32 = {{ tile_rows }}u; // WORKGROUP / 4: one output per thread in the reduction
+const WORKGROUP: u32 = {{ workgroup }}u; // a multiple of OUTPUTS
+const TILE_ROWS: u32 = {{ tile_rows }}u;
 const RANK_TILE: u32 = {{ rank_tile }}u; // a power of two, 4..=32
 const ROW_GROUPS: u32 = TILE_ROWS / 4u;
 const SPLIT: u32 = WORKGROUP / ROW_GROUPS;
 const RANK_BLOCKS: u32 = RANK_TILE / 4u;
+const OUTPUTS: u32 = TILE_ROWS * 4u; // sums per block of four ranks
+const PARTS: u32 = WORKGROUP / OUTPUTS; // threads that add up one output's partial sums
+const SHARE: u32 = SPLIT / PARTS; // partial sums each of them adds
 
-// Every thread's sums for one block of four ranks: four rows, one vec4 each.
+// Every thread's sums for one block of four ranks: four rows, one vec4 each; then each thread's
+// share of one output's sums, in the first WORKGROUP (16 KiB at most: WebGPU's least limit).
 var<workgroup> partial: array<vec4<f32>, WORKGROUP * 4u>;
 
 // Row `v` of x against four rows of A: one sum per rank.
@@ -98,21 +106,30 @@ fn main(
         }
     }
 
-    // One block of four ranks at a time, thread (m, j) adds up row m, rank 4 * q + j over the
-    // SPLIT threads of m's group. Constant trip counts keep `acc` in registers.
-    let m = lid / 4u;
+    // One block of four ranks at a time, threads (m, j, h) add up share h of row m, rank
+    // 4 * q + j over the SPLIT threads of m's group; then thread (m, j) adds the PARTS shares.
+    // Constant trip counts keep `acc` in registers.
+    let m = (lid % OUTPUTS) / 4u;
     let j = lid % 4u;
+    let h = lid / OUTPUTS;
     for (var q = 0u; q < RANK_BLOCKS; q++) {
         for (var i = 0u; i < 4u; i++) {
             partial[lid * 4u + i] = acc[i * RANK_BLOCKS + q];
         }
         workgroupBarrier();
-        var sum = 0.0;
-        for (var p = 0u; p < SPLIT; p++) {
-            sum += partial[((m / 4u) * SPLIT + p) * 4u + m % 4u][j];
+        var share = 0.0;
+        for (var p = h * SHARE; p < (h + 1u) * SHARE; p++) {
+            share += partial[((m / 4u) * SPLIT + p) * 4u + m % 4u][j];
         }
+        workgroupBarrier(); // every partial sum is read before the shares take their place
+        partial[lid].x = share;
+        workgroupBarrier();
         let r = rank0 + 4u * q + j;
-        if (m < len && r < rank) {
+        if (lid < OUTPUTS && m < len && r < rank) {
+            var sum = 0.0;
+            for (var part = 0u; part < PARTS; part++) {
+                sum += partial[part * OUTPUTS + lid].x;
+            }
             shrunk[u32(sorted_tokens[start + m]) * rank + r] = sum;
         }
         workgroupBarrier();

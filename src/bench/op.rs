@@ -198,6 +198,18 @@ impl OpInputs {
     }
 }
 
+/// The shrink kernels the op is timed with for the choice `chosen` on `on`: `auto` on a
+/// hardware GPU compares `split` (what it picks) with `wide`; anything else is the one kernel
+/// it resolves to.
+pub fn shrink_kernels(chosen: ShrinkKernel, on: &RuntimeDevice) -> Vec<ShrinkKernel> {
+    match chosen.resolve(on) {
+        ShrinkKernel::Split if chosen == ShrinkKernel::Auto => {
+            vec![ShrinkKernel::Split, ShrinkKernel::Wide]
+        }
+        kernel => vec![kernel],
+    }
+}
+
 /// Runs `f` `iters` times, waiting for the device before starting and after each run.
 pub fn timed(on: &RuntimeDevice, iters: u64, mut f: impl FnMut() -> Tensor<2>) -> Duration {
     on.device.sync().expect("the device runs");
@@ -233,7 +245,7 @@ pub struct OpRecord {
     pub precision: String,
     /// The base linear's kernel: `burn`, `wgsl` or `tiled`.
     pub linear_kernel: String,
-    /// The op's shrink shader: `split` or `registers` (`None` on the CPU backend).
+    /// The op's shrink shader: `split`, `wide` or `registers` (`None` on the CPU backend).
     pub lora_shrink: Option<String>,
     /// The base linear alone, median ms.
     pub base_ms: f64,

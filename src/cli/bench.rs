@@ -237,35 +237,41 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
             "\nLoRA op alone at attn.qkv ({mixed} adapters mixed): median ms, and what it adds to the base linear"
         );
         println!(
-            "{:>6} {:>5} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9}",
-            "rows", "rank", "base", "+op", "+naive", "+op[:4]", "op", "naive", "op[:4]"
+            "{:>6} {:>5} {:>9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9}",
+            "rows", "rank", "shrink", "base", "+op", "+naive", "+op[:4]", "op", "naive", "op[:4]"
         );
     }
     for &rank in &spec.ranks {
         for &rows in &op_rows {
-            eprintln!("the LoRA op alone: {rows} rows, rank {rank}, {mixed} adapters…");
-            let shape = OpShape {
-                precision: spec.precision,
-                linear_kernel: spec.linear_kernel,
-                lora_shrink: spec.lora_shrink,
-                ..OpShape::qkv(&spec.preset.config(), rows, rank, mixed)
-            };
-            let op = bench::op::run(shape, &runtime, spec.repeats);
-            if args.json {
-                println!("{}", json_line(&op));
-            } else {
-                println!(
-                    "{:>6} {:>5} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>+8.1}% {:>+8.1}% {:>+8.1}%",
-                    op.rows,
-                    op.rank,
-                    op.base_ms,
-                    op.lora_ms,
-                    op.naive_ms,
-                    op.narrow_lora_ms,
-                    op.lora_overhead * 100.0,
-                    op.naive_overhead * 100.0,
-                    op.narrow_lora_overhead * 100.0
+            for lora_shrink in bench::op::shrink_kernels(spec.lora_shrink, &runtime) {
+                eprintln!(
+                    "the LoRA op alone: {rows} rows, rank {rank}, {mixed} adapters, {} shrink…",
+                    lora_shrink.name()
                 );
+                let shape = OpShape {
+                    precision: spec.precision,
+                    linear_kernel: spec.linear_kernel,
+                    lora_shrink,
+                    ..OpShape::qkv(&spec.preset.config(), rows, rank, mixed)
+                };
+                let op = bench::op::run(shape, &runtime, spec.repeats);
+                if args.json {
+                    println!("{}", json_line(&op));
+                } else {
+                    println!(
+                        "{:>6} {:>5} {:>9} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>+8.1}% {:>+8.1}% {:>+8.1}%",
+                        op.rows,
+                        op.rank,
+                        op.lora_shrink.as_deref().unwrap_or("native"),
+                        op.base_ms,
+                        op.lora_ms,
+                        op.naive_ms,
+                        op.narrow_lora_ms,
+                        op.lora_overhead * 100.0,
+                        op.naive_overhead * 100.0,
+                        op.narrow_lora_overhead * 100.0
+                    );
+                }
             }
         }
     }

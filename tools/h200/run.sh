@@ -158,7 +158,7 @@ step engine-on-gl 60 env MMLORA_GRAPHICS_APIS=vulkan,gl "$bin/engine" every_othe
 cat "$OUT/steps.tsv"
 python3 - "$OUT/results.tar" <<'PY'
 import json, sys, tarfile
-keys = ["kind", "adapters", "rank", "rows", "precision", "linear_kernel", "attention_kernel",
+keys = ["kind", "adapters", "rank", "rows", "precision", "linear_kernel", "lora_shrink", "attention_kernel",
         "median_ms", "img_per_s",
         "ratio_vs_base", "base_ms", "lora_ms", "naive_ms", "lora_overhead",
         "narrow_lora_ms", "narrow_lora_overhead"]

@@ -50,6 +50,10 @@ pub enum ShrinkKernel {
     /// `shaders/lora_shrink.wgsl`: 64 threads per tile, each four rows by the whole rank block
     /// over every 16th column, for hardware GPUs.
     Split,
+    /// `split`'s shaders with 256 threads per tile: the shrink's threads each sum every 64th
+    /// column, and the expand's each add to four rows rather than all sixteen. Four times the
+    /// loads in flight, for hardware GPUs whose many cores `split` leaves idle at few rows.
+    Wide,
     /// `shaders/lora_shrink_registers.wgsl`: 8 threads per tile (one llvmpipe SIMD vector),
     /// each every row by the whole rank block over every 8th column, its sums in registers; for
     /// software rasterizers.
@@ -62,6 +66,7 @@ impl ShrinkKernel {
         match self {
             ShrinkKernel::Auto => "auto",
             ShrinkKernel::Split => "split",
+            ShrinkKernel::Wide => "wide",
             ShrinkKernel::Registers => "registers",
         }
     }

@@ -283,7 +283,11 @@ enum Mix {
 
 /// Either shrink kernel, for a random test to run on.
 pub fn shrink_kernels() -> impl Strategy<Value = ShrinkKernel> {
-    prop_oneof![Just(ShrinkKernel::Split), Just(ShrinkKernel::Registers)]
+    prop_oneof![
+        Just(ShrinkKernel::Split),
+        Just(ShrinkKernel::Wide),
+        Just(ShrinkKernel::Registers)
+    ]
 }
 
 /// Random problems: 1..2000 rows, widths from [`WIDTHS`], ranks 1..=64, 1..=16 slots, one to

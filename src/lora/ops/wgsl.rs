@@ -6,9 +6,10 @@
 //! so a workgroup always serves one slot and the cost stays flat as adapters mix.
 //!
 //! Shrink has two shaders, picked by the batch's [`ShrinkKernel`]: `lora_shrink.wgsl` (64
-//! threads per tile, for hardware GPUs) and `lora_shrink_registers.wgsl` (8 threads per tile,
-//! every sum in a variable of its own; for llvmpipe, where it makes the op 1.1–2.6× faster at
-//! ranks 4–64: BENCHMARKS.md).
+//! threads per tile, or 256 for `wide`; for hardware GPUs) and `lora_shrink_registers.wgsl` (8
+//! threads per tile, every sum in a variable of its own; for llvmpipe, where it makes the op
+//! 1.1–2.6× faster at ranks 4–64: BENCHMARKS.md). `wide` also gives the aligned expand 256
+//! threads per tile, four per column group, each adding to four of the tile's rows.
 //!
 //! Each kernel exists for `f32` and `f16` tensors ([`Elem`]); sums and the scratch stay `f32`.
 //! Each also has a `vec4` form that reads and writes four elements per access, taken where the
@@ -27,8 +28,27 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use super::{LoraBackend, LoraPlan, ShrinkKernel, TILE, TILE_ROWS};
 use crate::wgsl::{self, Elem};
 
-/// Invocations per workgroup of `lora_shrink.wgsl` and the expand shaders (`{{ workgroup }}`).
+/// Invocations per workgroup of `lora_shrink.wgsl` and the expand shaders (`{{ workgroup }}`);
+/// threads across a workgroup's columns in `lora_expand_vec4.wgsl` (`{{ column_threads }}`).
 pub const WORKGROUP: u32 = 64;
+
+/// Invocations per workgroup of `lora_shrink.wgsl` and `lora_expand_vec4.wgsl` for
+/// [`ShrinkKernel::Wide`]: 4 × [`WORKGROUP`], each workgroup's 16 KiB of workgroup memory
+/// within WebGPU's least limit.
+pub const WIDE_WORKGROUP: u32 = 256;
+
+// `lora_shrink.wgsl`'s partial sums: four `vec4<f32>`s per invocation, within WebGPU's least
+// workgroup memory (16 KiB) at the wide size.
+const _: () = assert!(WIDE_WORKGROUP * 4 * 16 <= 16 * 1024);
+
+/// Invocations per workgroup of `lora_shrink.wgsl` and `lora_expand_vec4.wgsl` for `kernel`
+/// (resolved).
+pub fn tile_threads(kernel: ShrinkKernel) -> u32 {
+    match kernel {
+        ShrinkKernel::Wide => WIDE_WORKGROUP,
+        _ => WORKGROUP,
+    }
+}
 
 /// The largest rank block one shrink workgroup sums (`{{ rank_tile }}` is at most this).
 pub const MAX_RANK_TILE: u32 = 32;
@@ -132,23 +152,21 @@ impl LoraShader {
         }
     }
 
-    /// Invocations per workgroup.
-    fn workgroup(self) -> u32 {
-        match self {
-            LoraShader::ShrinkRegisters | LoraShader::ShrinkRegistersVec4 => SHRINK_SPLIT,
-            _ => WORKGROUP,
-        }
+    /// Whether the shader runs [`tile_threads`] invocations per workgroup (the others have
+    /// one size each).
+    fn takes_threads(self) -> bool {
+        matches!(
+            self,
+            LoraShader::Shrink | LoraShader::ShrinkVec4 | LoraShader::ExpandVec4
+        )
     }
 
-    /// The WGSL source specialised for `rank_tile` (see [`rank_tile`]) and `elem`.
-    pub fn render(self, rank_tile: u32, elem: Elem) -> String {
-        LoraKernel {
-            shader: self,
-            rank_tile,
-            elem,
-        }
-        .source()
-        .complete()
+    /// The WGSL source specialised for `rank_tile` (see [`rank_tile`]), `elem` and `threads`
+    /// per workgroup ([`tile_threads`]; ignored by the shaders of one size).
+    pub fn render(self, rank_tile: u32, elem: Elem, threads: u32) -> String {
+        LoraKernel::new(self, rank_tile, elem, threads)
+            .source()
+            .complete()
     }
 }
 
@@ -233,12 +251,31 @@ fn shrink_unrolled(rank_tile: u32) -> [String; 4] {
     ]
 }
 
-/// A shader specialised for one rank block and element type.
+/// A shader specialised for one rank block, element type and workgroup size.
 #[derive(Debug, Clone, Copy)]
 struct LoraKernel {
     shader: LoraShader,
     rank_tile: u32,
     elem: Elem,
+    /// Invocations per workgroup.
+    workgroup: u32,
+}
+
+impl LoraKernel {
+    /// `shader` for `rank_tile` and `elem`, with `threads` per workgroup where it takes them.
+    fn new(shader: LoraShader, rank_tile: u32, elem: Elem, threads: u32) -> Self {
+        let workgroup = match shader {
+            LoraShader::ShrinkRegisters | LoraShader::ShrinkRegistersVec4 => SHRINK_SPLIT,
+            _ if shader.takes_threads() => threads,
+            _ => WORKGROUP,
+        };
+        Self {
+            shader,
+            rank_tile,
+            elem,
+            workgroup,
+        }
+    }
 }
 
 impl KernelSource for LoraKernel {
@@ -257,7 +294,8 @@ impl KernelSource for LoraKernel {
             _ => template,
         };
         template
-            .register("workgroup", self.shader.workgroup().to_string())
+            .register("workgroup", self.workgroup.to_string())
+            .register("column_threads", WORKGROUP.to_string())
             .register("tile_rows", TILE_ROWS.to_string())
             .register("rank_tile", self.rank_tile.to_string())
             .register("columns", self.shader.columns().to_string())
@@ -272,7 +310,7 @@ impl KernelSource for LoraKernel {
         // `lora_expand_vec4.wgsl` does not read the rank block, so one pipeline serves every
         // rank rather than one identical copy per block size.
         let rank_tile = (self.shader != LoraShader::ExpandVec4).then_some(self.rank_tile);
-        KernelId::new::<Self>().info((self.shader, rank_tile, self.elem))
+        KernelId::new::<Self>().info((self.shader, rank_tile, self.elem, self.workgroup))
     }
 
     fn lang(&self) -> &'static str {
@@ -298,13 +336,7 @@ fn launch(
         (d, read),
         (output, output_io),
     ];
-    wgsl::launch(
-        kernel,
-        kernel.shader.workgroup(),
-        workgroups,
-        &buffers,
-        params,
-    );
+    wgsl::launch(kernel, kernel.workgroup, workgroups, &buffers, params);
 }
 
 impl LoraBackend for CubeBackend {
@@ -347,12 +379,9 @@ impl LoraBackend for CubeBackend {
             [rows, rank].into(),
             DType::F32,
         );
+        let threads = tile_threads(plan.shrink);
         for (tile_base, tiles_here) in wgsl::launches(n_tiles as u32) {
-            let kernel = |shader| LoraKernel {
-                shader,
-                rank_tile,
-                elem,
-            };
+            let kernel = |shader| LoraKernel::new(shader, rank_tile, elem, threads);
             launch(
                 kernel(shrink),
                 (tiles_here, (rank as u32).div_ceil(rank_tile)),
@@ -435,6 +464,13 @@ mod tests {
         }
     }
 
+    /// Every shrink kernel a batch resolves to.
+    const SHRINKS: [ShrinkKernel; 3] = [
+        ShrinkKernel::Split,
+        ShrinkKernel::Wide,
+        ShrinkKernel::Registers,
+    ];
+
     /// The kernels `lora_apply` launches for `problem` with `shrink`.
     fn shaders_for(problem: &Problem, shrink: ShrinkKernel) -> Vec<LoraShader> {
         let out_total = problem.slices.iter().map(|&(width, _)| width).sum();
@@ -486,7 +522,7 @@ mod tests {
             token_slots: (0..50).map(|r| r % 3 - 1).collect(),
         });
 
-        let shrinks = [ShrinkKernel::Split, ShrinkKernel::Registers];
+        let shrinks = SHRINKS;
         let launched: Vec<LoraShader> = problems
             .iter()
             .flat_map(|p| shrinks.iter().flat_map(|&s| shaders_for(p, s)))
@@ -527,7 +563,7 @@ mod tests {
             slots: 2,
             token_slots,
         };
-        for shrink in [ShrinkKernel::Split, ShrinkKernel::Registers] {
+        for shrink in SHRINKS {
             check(&problem, shrink);
         }
     }
@@ -576,8 +612,13 @@ mod tests {
         }
         for shader in LoraShader::ALL {
             for (rank_tile, elem) in rank_tiles().flat_map(|t| Elem::ALL.map(|e| (t, e))) {
-                let what = format!("{} (rank tile {rank_tile}, {elem:?})", shader.file_name());
-                validate_and_translate(&shader.render(rank_tile, elem), &what);
+                for threads in [WORKGROUP, WIDE_WORKGROUP] {
+                    let what = format!(
+                        "{} (rank tile {rank_tile}, {elem:?}, {threads} threads)",
+                        shader.file_name()
+                    );
+                    validate_and_translate(&shader.render(rank_tile, elem, threads), &what);
+                }
             }
         }
     }
