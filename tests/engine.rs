@@ -106,22 +106,44 @@ fn a_mixed_batch_from_image_files_matches_peft_on_cpu() {
     assert_matches_fixtures(&fixture_requests(), &results, 1e-5, &cpu.description);
 }
 
-/// With the default linears and attention, with the kernels timed per shape, and with each
-/// attention kernel.
+/// With the default linears, attention and LoRA kernels, with the linears timed per shape,
+/// with each attention kernel, and with the wide LoRA kernels.
 #[test]
 fn a_mixed_batch_from_image_files_matches_peft_on_wgpu() {
     let Some(gpu) = device::gpu_for_tests() else {
         return;
     };
-    for (linear_kernel, attention_kernel) in [
-        (LinearKernel::Auto, AttentionKernel::Auto),
-        (LinearKernel::Timed, AttentionKernel::Auto),
-        (LinearKernel::Auto, AttentionKernel::Fused),
-        (LinearKernel::Auto, AttentionKernel::Burn),
+    for (linear_kernel, attention_kernel, lora_shrink) in [
+        (
+            LinearKernel::Auto,
+            AttentionKernel::Auto,
+            ShrinkKernel::Auto,
+        ),
+        (
+            LinearKernel::Timed,
+            AttentionKernel::Auto,
+            ShrinkKernel::Auto,
+        ),
+        (
+            LinearKernel::Auto,
+            AttentionKernel::Fused,
+            ShrinkKernel::Auto,
+        ),
+        (
+            LinearKernel::Auto,
+            AttentionKernel::Burn,
+            ShrinkKernel::Auto,
+        ),
+        (
+            LinearKernel::Auto,
+            AttentionKernel::Auto,
+            ShrinkKernel::Wide,
+        ),
     ] {
         let options = EngineOptions {
             linear_kernel,
             attention_kernel,
+            lora_shrink,
             ..EngineOptions::default()
         };
         let results = engine(&gpu, options)
@@ -129,10 +151,11 @@ fn a_mixed_batch_from_image_files_matches_peft_on_wgpu() {
             .unwrap();
         // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4.
         let on = format!(
-            "{}, {} linears, {} attention",
+            "{}, {} linears, {} attention, {} shrink",
             gpu.description,
             linear_kernel.name(),
-            attention_kernel.name()
+            attention_kernel.name(),
+            lora_shrink.name()
         );
         assert_matches_fixtures(&fixture_requests(), &results, 1e-4, &on);
     }
