@@ -36,6 +36,7 @@ use crate::mapping::{
 };
 use crate::model::gemm::{self, CoopTiling, LinearKernel};
 use crate::model::linear_choice::LinearChoice;
+use crate::model::norm::NormKernel;
 use crate::model::qwen2_vl::{ModelError, Qwen2VlVision, VisionConfig};
 use crate::model::sdpa::AttentionKernel;
 use crate::preprocess::{Patches, PreprocessConfig, PreprocessError, load_image, preprocess};
@@ -345,6 +346,7 @@ impl Engine {
         let mut model = model.cast(dtype);
         model.set_linear_kernel(LinearChoice::new(options.linear_kernel, &device, dtype));
         model.set_attention_kernel(options.attention_kernel.resolve(&device));
+        model.set_norm_kernel(NormKernel::for_device(&device));
         Ok(Self {
             model,
             preprocess,

@@ -421,7 +421,7 @@ mod tests {
     use crate::device;
     use crate::lora::meta::{KernelMeta, NO_SLOT};
     use crate::model::gemm::LinearShader;
-    use crate::model::{fused_attention, fused_rotary};
+    use crate::model::{fused_attention, fused_norm, fused_rotary};
     use crate::wgsl::validate_and_translate;
     use proptest::prelude::*;
 
@@ -606,6 +606,7 @@ mod tests {
                 LoraShader::ALL.iter().any(|s| s.file_name() == file)
                     || LinearShader::ALL.iter().any(|s| s.file_name() == file)
                     || file == fused_attention::FILE_NAME
+                    || file == fused_norm::FILE_NAME
                     || file == fused_rotary::FILE_NAME,
                 "shaders/{file} is not a kernel the runtime knows, so it is never checked"
             );

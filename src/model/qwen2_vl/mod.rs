@@ -8,7 +8,6 @@ mod rotary;
 
 use std::path::Path;
 
-use burn::tensor::module::layer_norm;
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
 
 use crate::lora::linear::LoraLinear;
@@ -17,6 +16,7 @@ use crate::model::activation::{gelu_in_f32, quick_gelu};
 use crate::model::checkpoint::{Checkpoint, CheckpointError};
 use crate::model::fused_attention;
 use crate::model::linear_choice::LinearChoice;
+use crate::model::norm::{self, NormKernel};
 use crate::model::rope;
 use crate::model::sdpa::AttentionKernel;
 use crate::model::stages::{Stage, StageClock};
@@ -56,17 +56,10 @@ struct LayerNorm {
 
 impl LayerNorm {
     /// Normalises each row in f32, the affine parameters applied in f32 too (as PyTorch's
-    /// autocast runs layer_norm: an f16 variance overflows), the result in `x`'s dtype. Burn's
-    /// `layer_norm` is one fused pass on the CPU backend.
-    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        let dtype = x.dtype();
-        let normed = layer_norm(
-            x.cast(DType::F32),
-            self.weight.clone(),
-            Some(self.bias.clone()),
-            LAYER_NORM_EPS,
-        );
-        normed.cast(dtype)
+    /// autocast runs layer_norm: an f16 variance overflows), the result in `x`'s dtype, by
+    /// `kernel` ([`norm::layer_norm`]).
+    fn forward(&self, x: Tensor<2>, kernel: NormKernel) -> Tensor<2> {
+        norm::layer_norm(x, &self.weight, &self.bias, LAYER_NORM_EPS, kernel)
     }
 }
 
@@ -111,6 +104,8 @@ pub struct Qwen2VlVision {
     buffer_limit: u64,
     /// Which implementation computes attention.
     attention_kernel: AttentionKernel,
+    /// Which implementation computes the layer norms.
+    norm_kernel: NormKernel,
     /// The dtype the weights and activations are in (f32, or f16 on a GPU that has it).
     dtype: DType,
     /// Where the forward pass marks its stages (detached unless a benchmark attaches one).
@@ -214,6 +209,7 @@ impl Qwen2VlVision {
             device: device.clone(),
             buffer_limit: DEFAULT_BUFFER_LIMIT,
             attention_kernel: AttentionKernel::Burn,
+            norm_kernel: NormKernel::Composed,
             dtype: DType::F32,
             stages: StageClock::default(),
         })
@@ -279,6 +275,11 @@ impl Qwen2VlVision {
     /// Computes attention with `kernel`.
     pub fn set_attention_kernel(&mut self, kernel: AttentionKernel) {
         self.attention_kernel = kernel;
+    }
+
+    /// Computes the layer norms with `kernel`.
+    pub fn set_norm_kernel(&mut self, kernel: NormKernel) {
+        self.norm_kernel = kernel;
     }
 
     /// Marks the end of each stage of [`Self::forward`] on `clock` (clones of the model share
@@ -500,7 +501,7 @@ impl Qwen2VlVision {
 
     /// `norm` on `x`, marked as [`Stage::Norm`].
     fn norm(&self, norm: &LayerNorm, x: Tensor<2>) -> Tensor<2> {
-        let normed = norm.forward(x);
+        let normed = norm.forward(x, self.norm_kernel);
         self.stages.mark(Stage::Norm);
         normed
     }
