@@ -497,6 +497,12 @@ fn bench_prints_one_json_object_per_configuration() {
         "lora_overhead",
         "narrow_lora_ms",
         "narrow_lora_overhead",
+        "back_to_back_calls",
+        "base_back_to_back_ms",
+        "lora_back_to_back_ms",
+        "narrow_lora_back_to_back_ms",
+        "lora_back_to_back_overhead",
+        "narrow_lora_back_to_back_overhead",
     ] {
         assert!(!ops[0][field].is_null(), "{field} missing in {}", ops[0]);
     }

@@ -237,8 +237,24 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
             "\nLoRA op alone at attn.qkv ({mixed} adapters mixed): median ms, and what it adds to the base linear"
         );
         println!(
-            "{:>6} {:>5} {:>9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9}",
-            "rows", "rank", "shrink", "base", "+op", "+naive", "+op[:4]", "op", "naive", "op[:4]"
+            "(then back to back, {} calls between syncs: the base's ms per call and what the op adds)",
+            bench::op::BACK_TO_BACK_CALLS
+        );
+        println!(
+            "{:>6} {:>5} {:>9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9}",
+            "rows",
+            "rank",
+            "shrink",
+            "base",
+            "+op",
+            "+naive",
+            "+op[:4]",
+            "op",
+            "naive",
+            "op[:4]",
+            "b2b base",
+            "b2b op",
+            "b2b [:4]"
         );
     }
     for &rank in &spec.ranks {
@@ -259,7 +275,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                     println!("{}", json_line(&op));
                 } else {
                     println!(
-                        "{:>6} {:>5} {:>9} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>+8.1}% {:>+8.1}% {:>+8.1}%",
+                        "{:>6} {:>5} {:>9} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>+8.1}% {:>+8.1}% {:>+8.1}% {:>10.3} {:>+8.1}% {:>+8.1}%",
                         op.rows,
                         op.rank,
                         op.lora_shrink.as_deref().unwrap_or("native"),
@@ -269,7 +285,10 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                         op.narrow_lora_ms,
                         op.lora_overhead * 100.0,
                         op.naive_overhead * 100.0,
-                        op.narrow_lora_overhead * 100.0
+                        op.narrow_lora_overhead * 100.0,
+                        op.base_back_to_back_ms,
+                        op.lora_back_to_back_overhead * 100.0,
+                        op.narrow_lora_back_to_back_overhead * 100.0
                     );
                 }
             }

@@ -112,6 +112,11 @@ step coop-f16 90 "${bench[@]}" --adapters 1,8 --ranks 16 --op-rows 256,4096 --pr
 # and cuBLAS's 50.3), with auto's linears.
 step stages 90 env RUST_LOG=mmlora=info \
     "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto
+# The same with the wide LoRA kernels, for the op's share of a pass against the step above's
+# `split`.
+step stages-wide 90 env RUST_LOG=mmlora=info \
+    "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto \
+    --lora-shrink wide
 # 16 distinct adapters need 16 images (each image carries one).
 step bench-16 90 "$bin/mmlora" bench --device gpu --json --images 16 "${shape[@]}" \
     --adapters 16 --ranks 16 --no-op --linear-kernel burn
@@ -163,7 +168,8 @@ import json, sys, tarfile
 keys = ["kind", "adapters", "rank", "rows", "precision", "linear_kernel", "lora_shrink", "attention_kernel",
         "median_ms", "img_per_s",
         "ratio_vs_base", "base_ms", "lora_ms", "naive_ms", "lora_overhead",
-        "narrow_lora_ms", "narrow_lora_overhead"]
+        "narrow_lora_ms", "narrow_lora_overhead", "base_back_to_back_ms",
+        "lora_back_to_back_overhead", "narrow_lora_back_to_back_overhead"]
 with tarfile.open(sys.argv[1]) as results:
     for name in ["bench", "bench-f16", "torch-fp32", "torch-bf16", "linear-kernels", "coop-f16"]:
         try:

@@ -281,7 +281,7 @@ enum Mix {
     Blocks,
 }
 
-/// Either shrink kernel, for a random test to run on.
+/// Any shrink kernel a batch resolves to, for a random test to run on.
 pub fn shrink_kernels() -> impl Strategy<Value = ShrinkKernel> {
     prop_oneof![
         Just(ShrinkKernel::Split),

@@ -522,10 +522,9 @@ mod tests {
             token_slots: (0..50).map(|r| r % 3 - 1).collect(),
         });
 
-        let shrinks = SHRINKS;
         let launched: Vec<LoraShader> = problems
             .iter()
-            .flat_map(|p| shrinks.iter().flat_map(|&s| shaders_for(p, s)))
+            .flat_map(|p| SHRINKS.iter().flat_map(|&s| shaders_for(p, s)))
             .collect();
         for shader in LoraShader::ALL {
             assert!(launched.contains(&shader), "no edge case runs {shader:?}");
@@ -533,7 +532,7 @@ mod tests {
         // The same in f16 where the device has it: the f16 kernels are other shaders.
         let f16 = device::gpu_for_tests().filter(device::f16_for_tests);
         for problem in &problems {
-            for shrink in shrinks {
+            for shrink in SHRINKS {
                 check(problem, shrink);
                 if let Some(gpu) = &f16 {
                     check_f16(problem, gpu, shrink);
