@@ -121,13 +121,15 @@ fn main(
         for (var p = h * SHARE; p < (h + 1u) * SHARE; p++) {
             share += partial[((m / 4u) * SPLIT + p) * 4u + m % 4u][j];
         }
-        workgroupBarrier(); // every partial sum is read before the shares take their place
-        partial[lid].x = share;
-        workgroupBarrier();
+        if (PARTS > 1u) {
+            workgroupBarrier(); // every partial sum is read before the shares take their place
+            partial[lid].x = share;
+            workgroupBarrier();
+        }
         let r = rank0 + 4u * q + j;
         if (lid < OUTPUTS && m < len && r < rank) {
-            var sum = 0.0;
-            for (var part = 0u; part < PARTS; part++) {
+            var sum = share; // thread (m, j)'s own share is part 0
+            for (var part = 1u; part < PARTS; part++) {
                 sum += partial[part * OUTPUTS + lid].x;
             }
             shrunk[u32(sorted_tokens[start + m]) * rank + r] = sum;

@@ -51,8 +51,9 @@ pub enum ShrinkKernel {
     /// over every 16th column, for hardware GPUs.
     Split,
     /// `split`'s shaders with 256 threads per tile: the shrink's threads each sum every 64th
-    /// column, and the expand's each add to four rows rather than all sixteen. Four times the
-    /// loads in flight, for hardware GPUs whose many cores `split` leaves idle at few rows.
+    /// column, and the aligned (`vec4`) expand's each add to four rows rather than all sixteen
+    /// (the scalar expand keeps 64). Four times the loads in flight, for hardware GPUs whose
+    /// many cores `split` leaves idle at few rows.
     Wide,
     /// `shaders/lora_shrink_registers.wgsl`: 8 threads per tile (one llvmpipe SIMD vector),
     /// each every row by the whole rank block over every 8th column, its sums in registers; for
