@@ -2,9 +2,10 @@
 //! launch every kernel goes through, and the dispatch limit launches split at. The LoRA op
 //! ([`crate::lora::ops::wgsl`]) and the linear layers ([`crate::model::gemm`]) use them.
 
-use burn::backend::wgpu::{CubeTensor, KernelSource, SourceKernel};
+use burn::backend::wgpu::{CubeTensor, KernelSource, SourceKernel, SourceTemplate};
 use burn::tensor::DType;
 use burn_cubecl::cubecl::ir::attributes::BufferIOAttr;
+use burn_cubecl::cubecl::prelude::KernelId;
 use burn_cubecl::cubecl::server::{KernelArguments, MetadataBindingInfo};
 use burn_cubecl::cubecl::{CubeCount, CubeDim};
 
@@ -54,6 +55,37 @@ impl Elem {
             Elem::F32 => "",
             Elem::F16 => "enable f16;",
         }
+    }
+}
+
+/// A shader whose template takes its workgroup size (`{{ workgroup }}`) and element type
+/// (`{{ elem }}`, `{{ enable }}`) alone: rotary's and layer norm's.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ElemKernel {
+    /// The shader's file under `shaders/`: with `elem`, what tells its pipelines apart.
+    pub file_name: &'static str,
+    /// The shader's source (`include_str!` of that file).
+    pub template: &'static str,
+    /// Invocations per workgroup.
+    pub workgroup: u32,
+    /// The element type it is specialised for.
+    pub elem: Elem,
+}
+
+impl KernelSource for ElemKernel {
+    fn source(&self) -> SourceTemplate {
+        SourceTemplate::new(self.template)
+            .register("workgroup", self.workgroup.to_string())
+            .register("elem", self.elem.wgsl())
+            .register("enable", self.elem.enable())
+    }
+
+    fn id(&self) -> KernelId {
+        KernelId::new::<Self>().info((self.file_name, self.workgroup, self.elem))
+    }
+
+    fn lang(&self) -> &'static str {
+        "wgsl"
     }
 }
 

@@ -5,15 +5,14 @@
 //! elementwise passes around them. `shaders/layer_norm.wgsl` reads each row about once and
 //! writes it once, in one launch per 65 535 rows.
 
-use burn::backend::wgpu::{CubeBackend, CubeTensor, KernelSource, SourceTemplate};
+use burn::backend::wgpu::{CubeBackend, CubeTensor};
 use burn::tensor::DType;
 use burn_cubecl::cubecl::ir::attributes::BufferIOAttr;
-use burn_cubecl::cubecl::prelude::KernelId;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 use crate::model::norm::{self, NormBackend};
-use crate::wgsl::{self, Elem};
+use crate::wgsl::{self, Elem, ElemKernel};
 
 /// The kernel's file under `shaders/`.
 pub const FILE_NAME: &str = "layer_norm.wgsl";
@@ -63,7 +62,7 @@ impl NormBackend for CubeBackend {
         // Rows beyond one dispatch's limit go in further launches.
         for (first_row, count) in wgsl::launches(rows) {
             wgsl::launch(
-                NormSource { elem },
+                kernel(elem),
                 WORKGROUP,
                 (count, 1),
                 &[
@@ -79,26 +78,13 @@ impl NormBackend for CubeBackend {
     }
 }
 
-/// `shaders/layer_norm.wgsl` for one element type.
-#[derive(Debug, Clone, Copy)]
-struct NormSource {
-    elem: Elem,
-}
-
-impl KernelSource for NormSource {
-    fn source(&self) -> SourceTemplate {
-        SourceTemplate::new(include_str!("../../shaders/layer_norm.wgsl"))
-            .register("workgroup", WORKGROUP.to_string())
-            .register("elem", self.elem.wgsl())
-            .register("enable", self.elem.enable())
-    }
-
-    fn id(&self) -> KernelId {
-        KernelId::new::<Self>().info(self.elem)
-    }
-
-    fn lang(&self) -> &'static str {
-        "wgsl"
+/// `shaders/layer_norm.wgsl` for `elem`.
+fn kernel(elem: Elem) -> ElemKernel {
+    ElemKernel {
+        file_name: FILE_NAME,
+        template: include_str!("../../shaders/layer_norm.wgsl"),
+        workgroup: WORKGROUP,
+        elem,
     }
 }
 
@@ -112,6 +98,7 @@ mod tests {
     use crate::model::norm::NormKernel;
     use crate::model::norm::tests::check;
     use crate::model::qwen2_vl::Qwen2VlVision;
+    use burn::backend::wgpu::KernelSource;
     use burn::tensor::{Distribution, Tensor};
 
     /// The kernel in both element types is valid WGSL that naga translates for every backend
@@ -119,7 +106,7 @@ mod tests {
     #[test]
     fn every_variant_validates() {
         for elem in Elem::ALL {
-            let source = NormSource { elem }.source().complete();
+            let source = kernel(elem).source().complete();
             wgsl::validate_and_translate(&source, &format!("layer norm {elem:?}"));
         }
     }

@@ -6,15 +6,14 @@
 //! sum and a cast back. `shaders/rotary.wgsl` reads the part where it lies in `qkv` and writes
 //! the rotated values once, in one launch per 65 535 rows.
 
-use burn::backend::wgpu::{CubeBackend, CubeTensor, KernelSource, SourceTemplate};
+use burn::backend::wgpu::{CubeBackend, CubeTensor};
 use burn::tensor::DType;
 use burn_cubecl::cubecl::ir::attributes::BufferIOAttr;
-use burn_cubecl::cubecl::prelude::KernelId;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 use crate::model::rope::{self, RopeBackend};
-use crate::wgsl::{self, Elem};
+use crate::wgsl::{self, Elem, ElemKernel};
 
 /// The kernel's file under `shaders/`.
 pub const FILE_NAME: &str = "rotary.wgsl";
@@ -66,7 +65,7 @@ impl RopeBackend for CubeBackend {
         // Rows beyond one dispatch's limit go in further launches.
         for (first_row, count) in wgsl::launches(rows) {
             wgsl::launch(
-                RotarySource { elem },
+                kernel(elem),
                 WORKGROUP,
                 (pair_blocks, count),
                 &[
@@ -88,39 +87,27 @@ impl RopeBackend for CubeBackend {
     }
 }
 
-/// `shaders/rotary.wgsl` for one element type.
-#[derive(Debug, Clone, Copy)]
-struct RotarySource {
-    elem: Elem,
-}
-
-impl KernelSource for RotarySource {
-    fn source(&self) -> SourceTemplate {
-        SourceTemplate::new(include_str!("../../shaders/rotary.wgsl"))
-            .register("workgroup", WORKGROUP.to_string())
-            .register("elem", self.elem.wgsl())
-            .register("enable", self.elem.enable())
-    }
-
-    fn id(&self) -> KernelId {
-        KernelId::new::<Self>().info(self.elem)
-    }
-
-    fn lang(&self) -> &'static str {
-        "wgsl"
+/// `shaders/rotary.wgsl` for `elem`.
+fn kernel(elem: Elem) -> ElemKernel {
+    ElemKernel {
+        file_name: FILE_NAME,
+        template: include_str!("../../shaders/rotary.wgsl"),
+        workgroup: WORKGROUP,
+        elem,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn::backend::wgpu::KernelSource;
 
     /// The kernel in both element types is valid WGSL that naga translates for every backend
     /// wgpu has.
     #[test]
     fn every_variant_validates() {
         for elem in Elem::ALL {
-            let source = RotarySource { elem }.source().complete();
+            let source = kernel(elem).source().complete();
             wgsl::validate_and_translate(&source, &format!("rotary {elem:?}"));
         }
     }
