@@ -7,7 +7,7 @@ use burn::tensor::DType;
 use burn_cubecl::cubecl::ir::attributes::BufferIOAttr;
 use burn_cubecl::cubecl::prelude::KernelId;
 use burn_cubecl::cubecl::server::{KernelArguments, MetadataBindingInfo};
-use burn_cubecl::cubecl::{CubeCount, CubeDim};
+use burn_cubecl::cubecl::{CubeCount, CubeDim, ExecutionMode};
 
 /// Most workgroups one dispatch dimension may have (WebGPU's default limit).
 pub const MAX_WORKGROUPS_PER_DIM: u32 = 65_535;
@@ -58,30 +58,64 @@ impl Elem {
     }
 }
 
+/// The pipeline id of a raw WGSL kernel of ours of type `K`: `info` is what tells its pipelines
+/// apart (the values its template was rendered with).
+///
+/// Every one of our kernels runs in [`ExecutionMode::Unchecked`], as Burn's own matmul and
+/// reductions do. Bounds checks are off in both modes on wgpu (cubecl turns them off for every
+/// WGSL module); what the mode changes is naga's loop bounding, which `Checked` turns on: it
+/// wraps each loop of the shader in a 64-bit iteration counter with a second exit, which costs a
+/// compare and an add per iteration and can keep the driver from unrolling the loop (wgpu issue
+/// 7698). It guards against loops that never end, and ours all end: every loop in `shaders/`
+/// steps a `u32` counter by a positive constant (at most a workgroup) towards a bound that is a
+/// width, a row count, a rank or a constant, each far below `u32::MAX`.
+pub(crate) fn kernel_id<K: 'static>(
+    info: impl 'static + Eq + std::hash::Hash + std::fmt::Debug + Send + Sync,
+) -> KernelId {
+    KernelId::new::<K>()
+        .info(info)
+        .mode(ExecutionMode::Unchecked)
+}
+
 /// A shader whose template takes its workgroup size (`{{ workgroup }}`) and element type
 /// (`{{ elem }}`, `{{ enable }}`) alone: rotary's and layer norm's.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct ElemKernel {
-    /// The shader's file under `shaders/`: with `elem`, what tells its pipelines apart.
+pub(crate) struct ElemShader {
+    /// The shader's file under `shaders/`: with the element type, what tells its pipelines
+    /// apart.
     pub file_name: &'static str,
     /// The shader's source (`include_str!` of that file).
     pub template: &'static str,
     /// Invocations per workgroup.
     pub workgroup: u32,
+}
+
+impl ElemShader {
+    /// The shader specialised for tensors of `elem`.
+    pub(crate) fn kernel(self, elem: Elem) -> ElemKernel {
+        ElemKernel { shader: self, elem }
+    }
+}
+
+/// An [`ElemShader`] specialised for one element type: what a launch takes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ElemKernel {
+    /// The shader.
+    shader: ElemShader,
     /// The element type it is specialised for.
-    pub elem: Elem,
+    elem: Elem,
 }
 
 impl KernelSource for ElemKernel {
     fn source(&self) -> SourceTemplate {
-        SourceTemplate::new(self.template)
-            .register("workgroup", self.workgroup.to_string())
+        SourceTemplate::new(self.shader.template)
+            .register("workgroup", self.shader.workgroup.to_string())
             .register("elem", self.elem.wgsl())
             .register("enable", self.elem.enable())
     }
 
     fn id(&self) -> KernelId {
-        KernelId::new::<Self>().info((self.file_name, self.workgroup, self.elem))
+        kernel_id::<Self>((self.shader.file_name, self.shader.workgroup, self.elem))
     }
 
     fn lang(&self) -> &'static str {
@@ -217,6 +251,19 @@ pub(crate) fn validate_and_translate_to_spirv(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::{fused_norm, fused_rotary};
+
+    /// Every [`ElemShader`] in both element types is valid WGSL that naga translates for every
+    /// backend wgpu has.
+    #[test]
+    fn elem_shaders_validate_and_translate_to_every_backend() {
+        for shader in [fused_norm::SHADER, fused_rotary::SHADER] {
+            for elem in Elem::ALL {
+                let source = shader.kernel(elem).source().complete();
+                validate_and_translate(&source, &format!("{} {elem:?}", shader.file_name));
+            }
+        }
+    }
 
     #[test]
     fn launches_cover_every_workgroup_once() {

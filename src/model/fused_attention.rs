@@ -141,7 +141,7 @@ impl KernelSource for AttentionSource {
     }
 
     fn id(&self) -> KernelId {
-        KernelId::new::<Self>().info((self.elem, self.head4))
+        wgsl::kernel_id::<Self>((self.elem, self.head4))
     }
 
     fn lang(&self) -> &'static str {

@@ -13,10 +13,14 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 use crate::model::rope::{self, RopeBackend};
-use crate::wgsl::{self, Elem, ElemKernel};
+use crate::wgsl::{self, Elem, ElemShader};
 
-/// The kernel's file under `shaders/`.
-pub const FILE_NAME: &str = "rotary.wgsl";
+/// `shaders/rotary.wgsl`, in [`WORKGROUP`]s.
+pub(crate) const SHADER: ElemShader = ElemShader {
+    file_name: "rotary.wgsl",
+    template: include_str!("../../shaders/rotary.wgsl"),
+    workgroup: WORKGROUP,
+};
 
 /// Invocations per workgroup: one (head, pair of values) each.
 pub const WORKGROUP: u32 = 64;
@@ -65,7 +69,7 @@ impl RopeBackend for CubeBackend {
         // Rows beyond one dispatch's limit go in further launches.
         for (first_row, count) in wgsl::launches(rows) {
             wgsl::launch(
-                kernel(elem),
+                SHADER.kernel(elem),
                 WORKGROUP,
                 (pair_blocks, count),
                 &[
@@ -84,31 +88,5 @@ impl RopeBackend for CubeBackend {
             );
         }
         out
-    }
-}
-
-/// `shaders/rotary.wgsl` for `elem`.
-fn kernel(elem: Elem) -> ElemKernel {
-    ElemKernel {
-        file_name: FILE_NAME,
-        template: include_str!("../../shaders/rotary.wgsl"),
-        workgroup: WORKGROUP,
-        elem,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use burn::backend::wgpu::KernelSource;
-
-    /// The kernel in both element types is valid WGSL that naga translates for every backend
-    /// wgpu has.
-    #[test]
-    fn every_variant_validates() {
-        for elem in Elem::ALL {
-            let source = kernel(elem).source().complete();
-            wgsl::validate_and_translate(&source, &format!("rotary {elem:?}"));
-        }
     }
 }

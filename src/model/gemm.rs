@@ -786,7 +786,7 @@ impl KernelSource for LinearSource {
     }
 
     fn id(&self) -> KernelId {
-        KernelId::new::<Self>().info((self.shader, self.elem, self.subgroup))
+        wgsl::kernel_id::<Self>((self.shader, self.elem, self.subgroup))
     }
 
     fn lang(&self) -> &'static str {

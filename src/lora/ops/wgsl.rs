@@ -310,7 +310,7 @@ impl KernelSource for LoraKernel {
         // `lora_expand_vec4.wgsl` does not read the rank block, so one pipeline serves every
         // rank rather than one identical copy per block size.
         let rank_tile = (self.shader != LoraShader::ExpandVec4).then_some(self.rank_tile);
-        KernelId::new::<Self>().info((self.shader, rank_tile, self.elem, self.workgroup))
+        wgsl::kernel_id::<Self>((self.shader, rank_tile, self.elem, self.workgroup))
     }
 
     fn lang(&self) -> &'static str {
@@ -605,8 +605,8 @@ mod tests {
                 LoraShader::ALL.iter().any(|s| s.file_name() == file)
                     || LinearShader::ALL.iter().any(|s| s.file_name() == file)
                     || file == fused_attention::FILE_NAME
-                    || file == fused_norm::FILE_NAME
-                    || file == fused_rotary::FILE_NAME,
+                    || file == fused_norm::SHADER.file_name
+                    || file == fused_rotary::SHADER.file_name,
                 "shaders/{file} is not a kernel the runtime knows, so it is never checked"
             );
         }
