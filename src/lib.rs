@@ -5,7 +5,7 @@
 //! requests → [`mapping`] (which adapter each tower/connector row belongs to) →
 //! [`lora::meta`] (rows grouped by adapter slot) → [`lora::ops`] (each row's LoRA delta, on the
 //! CPU backend or in our WGSL kernels). [`device`] picks the backend; [`wgsl`] launches our
-//! kernels on it.
+//! kernels on it; [`timing`] times the candidates of the kernels picked by measurement.
 
 pub mod adapters;
 pub mod bench;
@@ -18,4 +18,5 @@ pub mod lora;
 pub mod mapping;
 pub mod model;
 pub mod preprocess;
+pub mod timing;
 pub mod wgsl;

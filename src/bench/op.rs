@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use crate::device::{Precision, RuntimeDevice};
 use crate::lora::meta::KernelMeta;
-use crate::lora::ops::{LoraBatch, LoraSlice, ShrinkKernel, lora_apply};
+use crate::lora::ops::{LoraBatch, LoraSlice, ShrinkKernel, choice, lora_apply};
 use crate::model::gemm::LinearKernel;
 use crate::model::linear_choice::LinearChoice;
 use crate::model::qwen2_vl::{DEFAULT_BUFFER_LIMIT, VisionConfig};
@@ -208,12 +208,12 @@ impl OpInputs {
 }
 
 /// The shrink kernels the op is timed with for the choice `chosen` on `on`: `auto` on a
-/// hardware GPU compares `split` (what it picks) with `wide`; anything else is the one kernel
-/// it resolves to.
+/// hardware GPU compares the candidates it picks from per shape (`split` and `wide`) side by
+/// side; anything else is the one kernel it resolves to.
 pub fn shrink_kernels(chosen: ShrinkKernel, on: &RuntimeDevice) -> Vec<ShrinkKernel> {
     let hardware_gpu = on.wgpu.is_some() && on.hardware_gpu;
     if chosen == ShrinkKernel::Auto && hardware_gpu {
-        vec![ShrinkKernel::Split, ShrinkKernel::Wide]
+        choice::CANDIDATES.to_vec()
     } else {
         vec![chosen.resolve(on)]
     }

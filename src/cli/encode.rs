@@ -56,8 +56,8 @@ pub struct EncodeArgs {
     /// device).
     #[arg(long, value_enum, default_value = "auto")]
     linear_kernel: LinearKernel,
-    /// The LoRA shrink shader on a GPU (auto: registers on a software GPU, split on a hardware
-    /// one; either needs a GPU device).
+    /// The LoRA shrink shader on a GPU (auto: registers on a software GPU; on a hardware one
+    /// timed, the faster of split and wide per shape; any but auto needs a GPU device).
     #[arg(long, value_enum, default_value = "auto")]
     lora_shrink: ShrinkKernel,
     /// Attention's implementation on a GPU (fused: one WGSL kernel; burn: Burn's ops; auto:

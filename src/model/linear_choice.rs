@@ -9,8 +9,8 @@
 //!    Burn's has its output checked against the reference within the rounding bound a correct
 //!    kernel keeps to (`Reference`): a kernel that a device's shader compiler gets wrong is
 //!    never picked.
-//! 3. Each candidate that passed runs [`TIMED_RUNS`] more times, between device syncs; the
-//!    median time is its time, and the fastest is kept for the shape.
+//! 3. Each candidate that passed runs [`TIMED_RUNS`](crate::timing::TIMED_RUNS) more times,
+//!    between device syncs; the median time is its time, and the fastest is kept for the shape.
 //!
 //! The picks are kept for the process, per device, dtype and shape (rows rounded up to a power
 //! of two), as Burn keeps its autotune's. A device failure while timing keeps nothing (until
@@ -21,16 +21,14 @@
 
 use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn::backend::{Device as _, DeviceId};
-use burn::tensor::{DType, Device, Tensor};
+use burn::tensor::{DType, Tensor};
 
 use super::gemm::{LinearKernel, linear};
 use crate::device::RuntimeDevice;
-
-/// Timed runs per candidate, after the one that compiled it and checked its output.
-pub const TIMED_RUNS: usize = 3;
+use crate::timing::median_time;
 
 /// How a layer's base product picks its kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -259,23 +257,6 @@ fn time_candidates(
     Ok(Some(timings))
 }
 
-/// The median time of [`TIMED_RUNS`] runs of `run`, each between device syncs.
-fn median_time(device: &Device, run: impl Fn() -> Tensor<2>) -> Result<Duration, String> {
-    let sync = || device.sync().map_err(|e| e.to_string());
-    sync()?;
-    let mut times = Vec::with_capacity(TIMED_RUNS);
-    for _ in 0..TIMED_RUNS {
-        let started = Instant::now();
-        // Kept until the sync, so the work behind it cannot be dropped unrun.
-        let output = run();
-        sync()?;
-        times.push(started.elapsed());
-        drop(output);
-    }
-    times.sort();
-    Ok(times[TIMED_RUNS / 2])
-}
-
 /// What a candidate's output is checked against: the product in f32 by Burn's matmul (of the
 /// inputs as they are, f16 values being exact in f32), and a bound on how far a correct
 /// kernel's output may be from it.
@@ -371,7 +352,7 @@ fn read(tensor: Tensor<1>) -> Result<f32, String> {
 
 #[cfg(test)]
 mod tests {
-    use burn::tensor::{Distribution, s};
+    use burn::tensor::{Device, Distribution, s};
 
     use super::*;
     use crate::device;

@@ -109,11 +109,11 @@ step linear-kernels 90 env RUST_LOG=mmlora=info \
 step coop-f16 90 "${bench[@]}" --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 \
     --linear-kernel coop
 # Where the time goes: each stage clocked (products in TFLOP/s, against the fp32 ALU peak of ~67
-# and cuBLAS's 50.3), with auto's linears.
+# and cuBLAS's 50.3), with auto's linears and auto's LoRA shrink (`split` or `wide` per shape,
+# timed; the picks logged at info).
 step stages 90 env RUST_LOG=mmlora=info \
     "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto
-# The same with the wide LoRA kernels, for the op's share of a pass against the step above's
-# `split`.
+# The same with the wide LoRA kernels on every shape, against the step above's picks.
 step stages-wide 90 env RUST_LOG=mmlora=info \
     "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto \
     --lora-shrink wide
@@ -184,4 +184,14 @@ with tarfile.open(sys.argv[1]) as results:
                 continue
             print(" ".join(f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
                            for k in keys if k in record))
+    # What auto's timing picked, per shape: the linears' kernels and the LoRA shrink.
+    for name in ["stages", "stages-f16"]:
+        try:
+            lines = results.extractfile(f"{name}.log").read().decode().splitlines()
+        except KeyError:
+            continue
+        print(f"== {name} picks")
+        for line in lines:
+            if "kernels timed" in line:
+                print(line.split(": ", 1)[-1][:240])
 PY

@@ -7,12 +7,14 @@
 //!   memory, the expand adding into the output in place. Checked against a float64 per-row loop.
 //! - [`wgsl`]: our shaders (`shaders/lora_shrink*.wgsl`, `shaders/lora_expand*.wgsl`) on
 //!   Burn's wgpu buffers, walking the same segments in tiles of rows; the shrink shader is the
-//!   batch's [`ShrinkKernel`], picked for the device.
+//!   batch's [`ShrinkKernel`], picked for the device ([`choice`] times the candidates on a
+//!   hardware GPU).
 //!
 //! Rows whose slot is [`NO_SLOT`](crate::lora::meta::NO_SLOT) keep `base` bit-for-bit. Callers
 //! use [`lora_apply`], which checks shapes, ranks, slots and row counts and returns a typed
 //! [`LoraOpError`] instead of a wrong answer.
 
+pub mod choice;
 pub mod native;
 #[cfg(test)]
 pub(crate) mod testing;
@@ -43,10 +45,13 @@ const TILE: NonZeroUsize = NonZeroUsize::new(TILE_ROWS).expect("tiles hold rows"
 /// implementation and ignores it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, clap::ValueEnum)]
 pub enum ShrinkKernel {
-    /// `registers` on a software rasterizer (lavapipe), where it is measured faster; `split`
+    /// `registers` on a software rasterizer (lavapipe), where it is measured faster; `timed`
     /// on a hardware GPU (the CPU backend has one shrink of its own).
     #[default]
     Auto,
+    /// The faster of `split` and `wide` for each shape, timed on the device the first time the
+    /// op runs on it (the `lora::ops::choice` module); for hardware GPUs.
+    Timed,
     /// `shaders/lora_shrink.wgsl`: 64 threads per tile, each four rows by the whole rank block
     /// over every 16th column, for hardware GPUs.
     Split,
@@ -66,19 +71,24 @@ impl ShrinkKernel {
     pub fn name(self) -> &'static str {
         match self {
             ShrinkKernel::Auto => "auto",
+            ShrinkKernel::Timed => "timed",
             ShrinkKernel::Split => "split",
             ShrinkKernel::Wide => "wide",
             ShrinkKernel::Registers => "registers",
         }
     }
 
-    /// The kernel `self` picks on `device`: never `Auto`.
+    /// The kernel `self` picks on `device`: never `Auto`; `split` on the CPU backend, which
+    /// has one shrink of its own.
     pub fn resolve(self, device: &RuntimeDevice) -> Self {
         match self {
             ShrinkKernel::Auto if device.wgpu.is_some() && !device.hardware_gpu => {
                 ShrinkKernel::Registers
             }
-            ShrinkKernel::Auto => ShrinkKernel::Split,
+            ShrinkKernel::Auto | ShrinkKernel::Timed if device.wgpu.is_none() => {
+                ShrinkKernel::Split
+            }
+            ShrinkKernel::Auto => ShrinkKernel::Timed,
             chosen => chosen,
         }
     }
@@ -89,7 +99,8 @@ impl ShrinkKernel {
 pub struct LoraPlan {
     /// The rows' slots, sorted and tiled.
     pub meta: Arc<KernelMeta>,
-    /// The shrink shader the WGSL implementation launches (resolved: never `Auto`).
+    /// The shrink shader the WGSL implementation launches (resolved: never `Auto`, and by the
+    /// time the backend sees it never `Timed`).
     pub shrink: ShrinkKernel,
 }
 
@@ -158,9 +169,16 @@ impl LoraBatch {
         &self.plan.meta
     }
 
-    /// The shrink kernel the batch runs (never `Auto`).
+    /// The shrink kernel the batch runs (never `Auto`; `Timed` picks one per shape).
     pub fn shrink(&self) -> ShrinkKernel {
         self.plan.shrink
+    }
+
+    /// The batch with its shrink kernel `shrink` (resolved).
+    fn with_plan_shrink(&self, shrink: ShrinkKernel) -> Self {
+        let mut batch = self.clone();
+        batch.plan.shrink = shrink;
+        batch
     }
 }
 
@@ -244,6 +262,19 @@ pub fn lora_apply(
     if batch.meta().no_lora() {
         return Ok(base);
     }
+    let timed;
+    let batch = match batch.shrink() {
+        ShrinkKernel::Timed => {
+            timed = batch.with_plan_shrink(choice::pick(&x, &base, slices, batch).0);
+            &timed
+        }
+        _ => batch,
+    };
+    Ok(apply(x, base, slices, batch))
+}
+
+/// [`lora_apply`] on checked inputs, with the batch's shrink kernel (resolved, not `Timed`).
+fn apply(x: Tensor<2>, base: Tensor<2>, slices: &[LoraSlice], batch: &LoraBatch) -> Tensor<2> {
     let mut y = base;
     for slice in slices {
         let out = <Dispatch as LoraBackend>::lora_apply(
@@ -258,7 +289,7 @@ pub fn lora_apply(
         );
         y = Tensor::from_dispatch(out);
     }
-    Ok(y)
+    y
 }
 
 /// Validates one slice against the input, the base output and the metadata.
@@ -468,25 +499,28 @@ mod tests {
     }
 
     #[test]
-    fn auto_shrink_takes_the_register_kernel_on_software_gpus_only() {
+    fn auto_shrink_times_on_hardware_gpus_and_takes_the_register_kernel_on_software_ones() {
         let cpu = device::cpu();
         assert_eq!(ShrinkKernel::Auto.resolve(&cpu), ShrinkKernel::Split);
+        assert_eq!(ShrinkKernel::Timed.resolve(&cpu), ShrinkKernel::Split);
         assert_eq!(
             ShrinkKernel::Registers.resolve(&cpu),
             ShrinkKernel::Registers
         );
         if let Some(gpu) = device::gpu_for_tests() {
             let expected = match gpu.hardware_gpu {
-                true => ShrinkKernel::Split,
+                true => ShrinkKernel::Timed,
                 false => ShrinkKernel::Registers,
             };
             assert_eq!(batch_on(vec![0, 1], 2, &gpu).shrink(), expected);
-            let chosen = LoraBatch::with_shrink(
-                KernelMeta::from_token_slots(vec![0], 1).unwrap(),
-                &gpu,
-                ShrinkKernel::Split,
-            );
-            assert_eq!(chosen.shrink(), ShrinkKernel::Split);
+            for chosen in [ShrinkKernel::Split, ShrinkKernel::Timed] {
+                let batch = LoraBatch::with_shrink(
+                    KernelMeta::from_token_slots(vec![0], 1).unwrap(),
+                    &gpu,
+                    chosen,
+                );
+                assert_eq!(batch.shrink(), chosen);
+            }
         }
     }
 

@@ -284,6 +284,7 @@ enum Mix {
 /// Any shrink kernel a batch resolves to, for a random test to run on.
 pub fn shrink_kernels() -> impl Strategy<Value = ShrinkKernel> {
     prop_oneof![
+        Just(ShrinkKernel::Timed),
         Just(ShrinkKernel::Split),
         Just(ShrinkKernel::Wide),
         Just(ShrinkKernel::Registers)

@@ -416,7 +416,7 @@ mod tests {
     use super::super::testing::{
         Problem, Reference, assert_matches, check_f16, problems, reference, shrink_kernels, to_f64,
     };
-    use super::super::{LoraSlice, lora_apply};
+    use super::super::{LoraBatch, lora_apply};
     use super::*;
     use crate::device;
     use crate::lora::meta::{KernelMeta, NO_SLOT};
@@ -464,7 +464,7 @@ mod tests {
         }
     }
 
-    /// Every shrink kernel a batch resolves to.
+    /// Every shrink kernel the op launches.
     const SHRINKS: [ShrinkKernel; 3] = [
         ShrinkKernel::Split,
         ShrinkKernel::Wide,
@@ -531,8 +531,9 @@ mod tests {
         }
         // The same in f16 where the device has it: the f16 kernels are other shaders.
         let f16 = device::gpu_for_tests().filter(device::f16_for_tests);
+        // `timed` too: it times `split` and `wide` on each problem, then runs its pick.
         for problem in &problems {
-            for shrink in SHRINKS {
+            for shrink in SHRINKS.into_iter().chain([ShrinkKernel::Timed]) {
                 check(problem, shrink);
                 if let Some(gpu) = &f16 {
                     check_f16(problem, gpu, shrink);
@@ -580,15 +581,12 @@ mod tests {
         };
         let data = problem.data(&gpu);
         let before = data.base.clone().into_data();
-        let slice: Vec<LoraSlice> = data.slices.clone();
-        let _ = lora_apply(
-            data.x.clone(),
-            data.base.clone(),
-            &slice,
-            &problem.batch(&gpu),
-        )
-        .unwrap();
-        data.base.into_data().assert_eq(&before, true);
+        // `timed` runs the op on the base's clones while it times.
+        for shrink in [ShrinkKernel::Auto, ShrinkKernel::Timed] {
+            let batch = LoraBatch::with_shrink(problem.meta(), &gpu, shrink);
+            let _ = lora_apply(data.x.clone(), data.base.clone(), &data.slices, &batch).unwrap();
+            data.base.clone().into_data().assert_eq(&before, true);
+        }
     }
 
     /// Every shader parses and validates with naga, in every specialisation the runtime uses,

@@ -1,0 +1,28 @@
+//! Timing kernels on the device while the runtime runs: how the kernel choices that are made
+//! by measurement (the linears' [`LinearChoice::Timed`](crate::model::linear_choice), the LoRA
+//! op's [`ShrinkKernel::Timed`](crate::lora::ops::ShrinkKernel)) time their candidates.
+
+use std::time::{Duration, Instant};
+
+use burn::tensor::{Device, Tensor};
+
+/// Timed runs per candidate, after the one that compiled it.
+pub const TIMED_RUNS: usize = 3;
+
+/// The median time of [`TIMED_RUNS`] runs of `run`, each between device syncs, or the
+/// device's error.
+pub fn median_time(device: &Device, run: impl Fn() -> Tensor<2>) -> Result<Duration, String> {
+    let sync = || device.sync().map_err(|e| e.to_string());
+    sync()?;
+    let mut times = Vec::with_capacity(TIMED_RUNS);
+    for _ in 0..TIMED_RUNS {
+        let started = Instant::now();
+        // Kept until the sync, so the work behind it cannot be dropped unrun.
+        let output = run();
+        sync()?;
+        times.push(started.elapsed());
+        drop(output);
+    }
+    times.sort();
+    Ok(times[TIMED_RUNS / 2])
+}
