@@ -68,13 +68,21 @@ impl Elem {
 /// compare and an add per iteration and can keep the driver from unrolling the loop (wgpu issue
 /// 7698). It guards against loops that never end, and ours all end: every loop in `shaders/`
 /// steps a `u32` counter by a positive constant (at most a workgroup) towards a bound that is a
-/// width, a row count, a rank or a constant, each far below `u32::MAX`.
+/// width, a row count, a rank or a constant, each far below `u32::MAX` ([`param`]).
 pub(crate) fn kernel_id<K: 'static>(
     info: impl 'static + Eq + std::hash::Hash + std::fmt::Debug + Send + Sync,
 ) -> KernelId {
     KernelId::new::<K>()
         .info(info)
         .mode(ExecutionMode::Unchecked)
+}
+
+/// `value` (a width, a row count, a rank) as a kernel's `u32` parameter. The loops of
+/// `shaders/` count to such values in steps of up to a workgroup, which must not wrap past
+/// `u32::MAX` ([`kernel_id`]); a kernel binds each tensor whole, and a binding holds under 2³²
+/// bytes, so every width and row count fits with room to spare.
+pub(crate) fn param(value: usize) -> u32 {
+    u32::try_from(value).expect("a bound tensor's widths and row counts fit a u32")
 }
 
 /// A shader whose template takes its workgroup size (`{{ workgroup }}`) and element type

@@ -7,6 +7,7 @@ mod common;
 use common::{errors, fixture_dir};
 use mmlora::device::{self, RuntimeDevice};
 use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request, SharedEngine};
+use mmlora::lora::ops::ShrinkKernel;
 use mmlora::model::gemm::LinearKernel;
 use mmlora::preprocess::Patches;
 
@@ -109,11 +110,16 @@ fn a_shared_engine_that_lost_its_device_is_rebuilt_in_place() {
     }
 }
 
-/// With the default linears, and with linears timed per shape: timing on the failed step's
-/// inputs must fail quietly and leave the failure to the step's read.
+/// With the default kernels, and with the linears and the LoRA shrink timed per shape: any
+/// timing on the failed step's inputs must fail quietly and leave the failure to the step's
+/// read.
 #[test]
 fn a_step_over_the_device_buffer_limit_fails_alone() {
-    for linear_kernel in [LinearKernel::Auto, LinearKernel::Timed] {
+    let kernels = [
+        (LinearKernel::Auto, ShrinkKernel::Auto),
+        (LinearKernel::Timed, ShrinkKernel::Timed),
+    ];
+    for (linear_kernel, lora_shrink) in kernels {
         let Some(gpu) = new_gpu() else {
             return;
         };
@@ -126,6 +132,7 @@ fn a_step_over_the_device_buffer_limit_fails_alone() {
         let options = EngineOptions {
             max_step_rows: usize::MAX,
             linear_kernel,
+            lora_shrink,
             ..EngineOptions::default()
         };
         let mut engine = engine(blind, options);

@@ -76,9 +76,9 @@ impl SdpaBackend for CubeBackend {
                     (&out, BufferIOAttr::WriteOnly),
                 ],
                 &[
-                    queries as u32,
-                    len as u32,
-                    heads as u32,
+                    wgsl::param(queries),
+                    wgsl::param(len),
+                    wgsl::param(heads),
                     first_group,
                     (scale as f32).to_bits(),
                 ],

@@ -75,7 +75,7 @@ impl NormBackend for CubeBackend {
                     (&bias, read),
                     (&y, BufferIOAttr::WriteOnly),
                 ],
-                &[width as u32, first_row, (epsilon as f32).to_bits()],
+                &[wgsl::param(width), first_row, (epsilon as f32).to_bits()],
             );
         }
         y

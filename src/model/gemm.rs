@@ -701,8 +701,8 @@ impl LinearBackend for CubeBackend {
             return y;
         }
         let (block_rows, block_columns4) = shader.block();
-        let column_blocks = (out_features as u32 / 4).div_ceil(block_columns4);
-        let row_blocks = (rows as u32).div_ceil(block_rows);
+        let column_blocks = (wgsl::param(out_features) / 4).div_ceil(block_columns4);
+        let row_blocks = wgsl::param(rows).div_ceil(block_rows);
         // Row blocks beyond one dispatch's limit go in further launches, each on its own rows.
         for (first_block, blocks) in wgsl::launches(row_blocks) {
             let read = BufferIOAttr::ReadOnly;
@@ -717,9 +717,9 @@ impl LinearBackend for CubeBackend {
                     (&y, BufferIOAttr::WriteOnly),
                 ],
                 &[
-                    rows as u32,
-                    in_features as u32,
-                    out_features as u32,
+                    wgsl::param(rows),
+                    wgsl::param(in_features),
+                    wgsl::param(out_features),
                     first_block * block_rows,
                 ],
             );

@@ -124,7 +124,7 @@ step bench-16 90 "$bin/mmlora" bench --device gpu --json --images 16 "${shape[@]
 step op-tests 120 "$bin/lib" lora::ops
 # The fused attention, rotary and layer norm kernels (and Burn's attention and norm) against
 # float64 on a real driver, f32 and f16.
-step fused-tests 60 "$bin/lib" model::sdpa model::fused_attention model::fused_rotary \
+step fused-tests 60 "$bin/lib" model::sdpa model::fused_attention model::rope \
     model::norm model::fused_norm
 # Attention alone, Burn's against the fused kernel, over 8 images of 448² (criterion; FLOP/s).
 step attention-alone 60 env MMLORA_BENCH_IMAGES=$attention_images "$bin/attention_bench" --bench \

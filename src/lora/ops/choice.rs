@@ -4,27 +4,31 @@
 //! No one of the two is the faster on every GPU and at every size: `wide` keeps four times the
 //! loads in flight, which pays where `split` leaves cores idle (few rows on many cores) and
 //! costs where it does not. So the first time the op runs on a shape, each candidate runs once
-//! on that call's own inputs (its pipelines compiled), then [`TIMED_RUNS`] more times between
-//! device syncs; the median time is its time, and the fastest is kept for the shape.
+//! on that call's own inputs (its pipelines compiled, one value of its output read back, so that
+//! a failure shows), then [`TIMED_RUNS`] more times between device syncs; the median time is
+//! its time, and the fastest is kept for the shape.
 //!
-//! The picks are kept for the process, per device, dtype and shape (rows rounded up to a power
-//! of two, the input width, the output width and each slice's width, offset and rank). Both
-//! candidates are the same two shaders at two workgroup sizes, tested against the native op and
-//! float64 alike, so unlike the linears' candidates their outputs are not checked again here. A
-//! device failure while timing keeps `split`, the first candidate, for the shape; the failure
-//! surfaces where the step reads its results.
+//! The picks are kept for the process, per device, dtype and shape: the tiles of adapter rows
+//! (what both kernels launch a workgroup for) rounded up to a power of two, the input width,
+//! the output width and each slice's width, offset and rank. Both candidates are the same two
+//! shaders at two workgroup sizes, tested against the native op and float64 alike, so unlike
+//! the linears' candidates their outputs are not checked again here. They add up a row's
+//! products in different orders, so where the pick differs (another process, another tile
+//! count) the op's last bits may too, within the same rounding bound. Where the device fails
+//! while timing, the call runs `split`, the first candidate, and nothing is kept (the next call
+//! on the shape times again); the failure surfaces where the step reads its results.
 
 use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex, PoisonError};
 use std::time::Duration;
 
 use burn::backend::{Device as _, DeviceId};
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Tensor, s};
 
-use super::{LoraBatch, LoraSlice, ShrinkKernel, apply};
+use super::{LoraBatch, LoraSlice, ShrinkKernel, TILE, apply};
 use crate::timing::{TIMED_RUNS, median_time};
 
-/// What [`ShrinkKernel::Timed`] chooses from; the first is kept where timing fails.
+/// What [`ShrinkKernel::Timed`] chooses from; the first runs where timing fails.
 pub const CANDIDATES: [ShrinkKernel; 2] = [ShrinkKernel::Split, ShrinkKernel::Wide];
 
 /// A shape picks are kept for.
@@ -32,8 +36,9 @@ pub const CANDIDATES: [ShrinkKernel; 2] = [ShrinkKernel::Split, ShrinkKernel::Wi
 struct ShapeKey {
     device: DeviceId,
     dtype: DType,
-    /// Rows rounded up to a power of two.
-    rows: usize,
+    /// Tiles of adapter rows ([`TILE_ROWS`](super::TILE_ROWS) rows of one slot each), rounded
+    /// up to a power of two.
+    tiles: usize,
     in_features: usize,
     out_total: usize,
     /// `(out_features, offset, rank)` of each slice.
@@ -52,12 +57,13 @@ pub(super) fn pick(
     slices: &[LoraSlice],
     batch: &LoraBatch,
 ) -> (ShrinkKernel, Option<Vec<Result<Duration, String>>>) {
-    let [rows, in_features] = x.dims();
+    let [_, in_features] = x.dims();
     let [_, out_total] = base.dims();
+    let tiles = batch.meta().tiles(TILE).count();
     let key = ShapeKey {
         device: x.device().as_dispatch().to_id(),
         dtype: x.dtype(),
-        rows: rows.next_power_of_two(),
+        tiles: tiles.next_power_of_two(),
         in_features,
         out_total,
         slices: slices
@@ -85,17 +91,9 @@ pub(super) fn pick(
                     &batch.with_plan_shrink(shrink),
                 )
             };
-            // The first run compiles the kernel's pipelines.
-            drop(run());
-            median_time(&device, run)
+            first_run(run()).and_then(|()| median_time(&device, run))
         })
         .collect();
-    let fastest = CANDIDATES
-        .iter()
-        .zip(&times)
-        .filter_map(|(&kernel, time)| time.as_ref().ok().map(|&time| (time, kernel)))
-        .min_by_key(|&(time, _)| time)
-        .map_or(CANDIDATES[0], |(_, kernel)| kernel);
     let report: Vec<String> = CANDIDATES
         .iter()
         .zip(&times)
@@ -104,17 +102,48 @@ pub(super) fn pick(
             Err(error) => format!("{} failed: {error}", kernel.name()),
         })
         .collect();
-    tracing::info!(rows, in_features, out_total, slices = ?key.slices, dtype = ?key.dtype,
-        picked = fastest.name(), times = report.join(", "), runs = TIMED_RUNS,
+    let report = report.join(", ");
+    // A failure may reach the sync of whichever candidate ran after it: no fair comparison.
+    if times.iter().any(Result::is_err) {
+        tracing::warn!(
+            tiles,
+            in_features,
+            out_total,
+            times = report,
+            "the device failed while timing LoRA shrink kernels: split, nothing kept"
+        );
+        return (CANDIDATES[0], Some(times));
+    }
+    let fastest = CANDIDATES
+        .into_iter()
+        .zip(times.iter().flatten())
+        .min_by_key(|&(_, time)| *time)
+        .map_or(CANDIDATES[0], |(kernel, _)| kernel);
+    tracing::info!(tiles, in_features, out_total, slices = ?key.slices, dtype = ?key.dtype,
+        picked = fastest.name(), times = report, runs = TIMED_RUNS,
         "LoRA shrink kernels timed");
     picks.insert(key, fastest);
     (fastest, Some(times))
+}
+
+/// Reads one value of `output`, the first run of a candidate (which compiled its pipelines):
+/// a failure of the device, or of an allocation for this call's tensors, shows here, where a
+/// sync alone would time the refused launches.
+fn first_run(output: Tensor<2>) -> Result<(), String> {
+    output
+        .slice(s![0..1, 0..1])
+        .reshape([1])
+        .cast(DType::F32)
+        .try_into_scalar::<f32>()
+        .map(drop)
+        .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::device;
+    use crate::lora::meta::KernelMeta;
     use crate::lora::ops::testing::Problem;
 
     /// A problem of `rows` rows in a shape no other test runs, so that this test's first call
@@ -149,9 +178,39 @@ mod tests {
         assert_eq!(times.len(), CANDIDATES.len());
         assert!(times.iter().all(Result::is_ok), "{times:?}");
         assert!(CANDIDATES.contains(&first));
-        // 64 rows round to the same power of two as 40: the pick is kept, nothing timed.
+        // 40 rows are 3 tiles, one per slot; 100 rows are 6, which rounds to 8, not 4: another
+        // shape, timed anew.
+        assert!(pick_on(100, &gpu).1.is_some());
+        // 64 rows are 3 tiles too (16 rows per slot): the pick is kept, nothing timed.
         assert_eq!(pick_on(64, &gpu), (first, None));
-        // 65 rows do not: another shape, timed anew.
-        assert!(pick_on(65, &gpu).1.is_some());
+    }
+
+    /// A base output past the device's buffer limit: its allocation fails, so does every
+    /// candidate's first run, and the call runs `split` and keeps nothing, so that the next
+    /// call of the shape times again.
+    #[test]
+    fn a_call_whose_timing_fails_runs_split_and_keeps_nothing() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        let d = &gpu.device;
+        let rows = 16;
+        let limit = usize::try_from(gpu.buffer_limit.unwrap()).unwrap();
+        let out_total = (limit / (4 * rows) + 1).next_multiple_of(4);
+        let x = Tensor::<2>::ones([rows, 4], d);
+        let base = Tensor::<2>::zeros([rows, out_total], d);
+        let slices = [LoraSlice {
+            a: Tensor::ones([1, 1, 4], d),
+            b: Tensor::ones([1, 4, 1], d),
+            offset: 0,
+        }];
+        let meta = KernelMeta::from_token_slots(vec![0; rows], 1).unwrap();
+        let batch = LoraBatch::with_shrink(meta, &gpu, ShrinkKernel::Timed);
+        for call in 0..2 {
+            let (kernel, times) = pick(&x, &base, &slices, &batch);
+            assert_eq!(kernel, CANDIDATES[0], "call {call}");
+            let times = times.expect("nothing kept, so each call times");
+            assert!(times.iter().all(Result::is_err), "call {call}: {times:?}");
+        }
     }
 }

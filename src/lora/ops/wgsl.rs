@@ -350,6 +350,11 @@ impl LoraBackend for CubeBackend {
         plan: LoraPlan,
         out_offset: usize,
     ) -> FloatTensor<Self> {
+        debug_assert_ne!(
+            plan.shrink,
+            ShrinkKernel::Timed,
+            "lora_apply resolves `timed` first"
+        );
         let x = into_contiguous(x);
         let a = into_contiguous(lora_a);
         let b = into_contiguous(lora_b);
@@ -387,7 +392,7 @@ impl LoraBackend for CubeBackend {
                 (tiles_here, (rank as u32).div_ceil(rank_tile)),
                 [&x, &a, &sorted_tokens, &tiles, &shrunk],
                 BufferIOAttr::WriteOnly,
-                &[in_features as u32, rank as u32, tile_base],
+                &[wgsl::param(in_features), wgsl::param(rank), tile_base],
             );
             launch(
                 kernel(expand),
@@ -399,10 +404,10 @@ impl LoraBackend for CubeBackend {
                 // Rows' deltas are added to what is there.
                 BufferIOAttr::ReadWrite,
                 &[
-                    out_features as u32,
-                    rank as u32,
-                    out_total as u32,
-                    out_offset as u32,
+                    wgsl::param(out_features),
+                    wgsl::param(rank),
+                    wgsl::param(out_total),
+                    wgsl::param(out_offset),
                     tile_base,
                 ],
             );
