@@ -170,11 +170,18 @@ keys = ["kind", "adapters", "rank", "rows", "precision", "linear_kernel", "lora_
         "ratio_vs_base", "base_ms", "lora_ms", "naive_ms", "lora_overhead",
         "narrow_lora_ms", "narrow_lora_overhead", "base_back_to_back_ms",
         "lora_back_to_back_overhead", "narrow_lora_back_to_back_overhead"]
+
+def step_lines(results, file_name):
+    """The lines of a step's file in the archive, or None where the step left none."""
+    try:
+        return results.extractfile(file_name).read().decode().splitlines()
+    except KeyError:
+        return None
+
 with tarfile.open(sys.argv[1]) as results:
     for name in ["bench", "bench-f16", "torch-fp32", "torch-bf16", "linear-kernels", "coop-f16"]:
-        try:
-            lines = results.extractfile(f"{name}.out").read().decode().splitlines()
-        except KeyError:
+        lines = step_lines(results, f"{name}.out")
+        if lines is None:
             continue
         print(f"== {name}")
         for line in lines:
@@ -186,9 +193,8 @@ with tarfile.open(sys.argv[1]) as results:
                            for k in keys if k in record))
     # What auto's timing picked, per shape: the linears' kernels and the LoRA shrink.
     for name in ["stages", "stages-f16"]:
-        try:
-            lines = results.extractfile(f"{name}.log").read().decode().splitlines()
-        except KeyError:
+        lines = step_lines(results, f"{name}.log")
+        if lines is None:
             continue
         print(f"== {name} picks")
         for line in lines:
