@@ -26,3 +26,9 @@ pub fn median_time(device: &Device, run: impl Fn() -> Tensor<2>) -> Result<Durat
     times.sort();
     Ok(times[TIMED_RUNS / 2])
 }
+
+/// The one value of `tensor`, or the device's error reading it: where a candidate's failure
+/// shows, since a sync alone does not report a refused launch.
+pub fn read(tensor: Tensor<1>) -> Result<f32, String> {
+    tensor.try_into_scalar::<f32>().map_err(|e| e.to_string())
+}

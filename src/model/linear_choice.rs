@@ -28,7 +28,7 @@ use burn::tensor::{DType, Tensor};
 
 use super::gemm::{LinearKernel, linear};
 use crate::device::RuntimeDevice;
-use crate::timing::median_time;
+use crate::timing::{median_time, read};
 
 /// How a layer's base product picks its kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -343,11 +343,6 @@ impl Reference {
         let nan = read(ratio.is_nan().any().float())? > 0.0;
         Ok(if nan { f32::NAN } else { worst })
     }
-}
-
-/// The one value of `tensor`, or the device's error reading it.
-fn read(tensor: Tensor<1>) -> Result<f32, String> {
-    tensor.try_into_scalar::<f32>().map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ use burn::backend::{Device as _, DeviceId};
 use burn::tensor::{DType, Tensor, s};
 
 use super::{LoraBatch, LoraSlice, ShrinkKernel, TILE, apply};
-use crate::timing::{TIMED_RUNS, median_time};
+use crate::timing::{TIMED_RUNS, median_time, read};
 
 /// What [`ShrinkKernel::Timed`] chooses from; the first runs where timing fails.
 pub const CANDIDATES: [ShrinkKernel; 2] = [ShrinkKernel::Split, ShrinkKernel::Wide];
@@ -130,13 +130,8 @@ pub(super) fn pick(
 /// a failure of the device, or of an allocation for this call's tensors, shows here, where a
 /// sync alone would time the refused launches.
 fn first_run(output: Tensor<2>) -> Result<(), String> {
-    output
-        .slice(s![0..1, 0..1])
-        .reshape([1])
-        .cast(DType::F32)
-        .try_into_scalar::<f32>()
-        .map(drop)
-        .map_err(|e| e.to_string())
+    let value = output.slice(s![0..1, 0..1]).reshape([1]).cast(DType::F32);
+    read(value).map(drop)
 }
 
 #[cfg(test)]
