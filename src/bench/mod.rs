@@ -212,8 +212,8 @@ pub struct RunSetup {
     pub precision: String,
     /// The linear layers' kernel: `burn`, `wgsl`, `tiled` or `coop`.
     pub linear_kernel: String,
-    /// The LoRA shrink shader: `split`, `wide` or `registers` (`None` on the CPU backend,
-    /// which runs its own op).
+    /// The LoRA shrink shader: `timed` (`split` or `wide` per shape), `split`, `wide` or
+    /// `registers` (`None` on the CPU backend, which runs its own op).
     pub lora_shrink: Option<String>,
     /// Attention's implementation: `burn` or `fused` (on the CPU backend both are its own
     /// pass).
