@@ -14,6 +14,11 @@
 // Every barrier and every cooperative operation is reached by every thread: the control flow
 // around them depends on uniform values alone.
 //
+// Both slices are held in workgroup memory as vec4s of f16, as they are read: a thread stores
+// each vec4 it loaded in one access, and the cooperative loads read vec4s too, their strides
+// counted in vec4s (SPIR-V's cooperative loads take a pointer to a vector and count the stride
+// in its elements).
+//
 // Rows and columns past the last are clamped to it: read and summed, never stored. Columns of x
 // past in_features, and rows of weight_t past it, read as zero. Every width is a multiple of 4.
 // The rows of both slices in workgroup memory are padded by PAD values (16 bytes), which keeps
@@ -45,13 +50,15 @@ const PAD: u32 = {{ pad }}u; // values after each row of a slice in workgroup me
 
 const CELL_ROWS: u32 = TILE_ROWS / (SUBGROUPS / SUBGROUP_COLUMNS);
 const CELL_COLUMNS: u32 = TILE_COLUMNS / SUBGROUP_COLUMNS;
-const X_STRIDE: u32 = DEPTH + PAD;
-const W_STRIDE: u32 = TILE_COLUMNS + PAD;
+const X_STRIDE4: u32 = (DEPTH + PAD) / 4u; // vec4s per row of the slice of x
+const W_STRIDE4: u32 = (TILE_COLUMNS + PAD) / 4u; // vec4s per row of the slice of weight_t
 
-// The slice of x: x_tile[m * X_STRIDE + k] = x[row m of the block, column k of the slice].
-var<workgroup> x_tile: array<f16, TILE_ROWS * X_STRIDE>;
-// The slice of weight_t: w_tile[k * W_STRIDE + n] = weight_t[row k of the slice, column n].
-var<workgroup> w_tile: array<f16, DEPTH * W_STRIDE>;
+// The slice of x: x_tile[m * X_STRIDE4 + k / 4][k % 4] = x[row m of the block, column k of the
+// slice].
+var<workgroup> x_tile: array<vec4<f16>, TILE_ROWS * X_STRIDE4>;
+// The slice of weight_t: w_tile[k * W_STRIDE4 + n / 4][n % 4] = weight_t[row k of the slice,
+// column n].
+var<workgroup> w_tile: array<vec4<f16>, DEPTH * W_STRIDE4>;
 // One 16 × 16 matrix of sums per subgroup, row by row, on its way to y.
 var<workgroup> staged: array<f32, SUBGROUPS * 256u>;
 
@@ -73,19 +80,11 @@ fn load_w(column0_4: u32, k0: u32, i: u32, out4: u32) -> vec4<f16> {
 }
 
 fn put_x(i: u32, v: vec4<f16>) {
-    let at = (i / (DEPTH / 4u)) * X_STRIDE + (i % (DEPTH / 4u)) * 4u;
-    x_tile[at] = v.x;
-    x_tile[at + 1u] = v.y;
-    x_tile[at + 2u] = v.z;
-    x_tile[at + 3u] = v.w;
+    x_tile[(i / (DEPTH / 4u)) * X_STRIDE4 + i % (DEPTH / 4u)] = v;
 }
 
 fn put_w(i: u32, v: vec4<f16>) {
-    let at = (i / (TILE_COLUMNS / 4u)) * W_STRIDE + (i % (TILE_COLUMNS / 4u)) * 4u;
-    w_tile[at] = v.x;
-    w_tile[at + 1u] = v.y;
-    w_tile[at + 2u] = v.z;
-    w_tile[at + 3u] = v.w;
+    w_tile[(i / (TILE_COLUMNS / 4u)) * W_STRIDE4 + i % (TILE_COLUMNS / 4u)] = v;
 }
 
 // Writes every subgroup's staged matrix, plus the bias, to y where the row and column exist:
@@ -119,8 +118,8 @@ fn main(
     let cell_row = (subgroup / SUBGROUP_COLUMNS) * CELL_ROWS;
     let cell_column = (subgroup % SUBGROUP_COLUMNS) * CELL_COLUMNS;
     let staged_at = subgroup * 256u;
-    let x_stride = X_STRIDE;
-    let w_stride = W_STRIDE;
+    let x_stride = X_STRIDE4;
+    let w_stride = W_STRIDE4;
     let staged_stride = 16u;
 
 {{ declare }}

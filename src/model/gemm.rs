@@ -94,9 +94,10 @@ const MATRIX: u32 = 16;
 const COOP_PAD: u32 = 8;
 
 // `{{ loads }}` serves both slices, which are equally large, and every thread loads as many
-// `vec4`s of each, in either tiling.
+// `vec4`s of each, in either tiling; the slices' padded rows are whole `vec4`s.
 const _: () = assert!(
-    COOP_ROWS == COOP_COLUMNS
+    COOP_PAD.is_multiple_of(4)
+        && COOP_ROWS == COOP_COLUMNS
         && (COOP_ROWS * COOP_DEPTH / 4).is_multiple_of(COOP_WORKGROUP)
         && (COOP_ROWS * COOP_DEPTH / 4).is_multiple_of(COOP_WIDE_WORKGROUP)
 );
@@ -889,7 +890,7 @@ fn coop_unrolled(layout: CoopLayout) -> [String; 3] {
             .flat_map(|i| {
                 [
                     format!(
-                        "let a_at_{i} = (cell_row + {}u) * X_STRIDE + k;",
+                        "let a_at_{i} = (cell_row + {}u) * X_STRIDE4 + k / 4u;",
                         MATRIX * i
                     ),
                     format!(
@@ -902,7 +903,7 @@ fn coop_unrolled(layout: CoopLayout) -> [String; 3] {
             .flat_map(|j| {
                 [
                     format!(
-                        "let b_at_{j} = k * W_STRIDE + cell_column + {}u;",
+                        "let b_at_{j} = k * W_STRIDE4 + (cell_column + {}u) / 4u;",
                         MATRIX * j
                     ),
                     format!(
@@ -1216,7 +1217,7 @@ mod tests {
     }
 
     /// The cooperative operations [`emulated_coop`] calls: `Stored` is an A matrix in `x_tile`
-    /// or a B matrix in `w_tile`, rows `stride` apart.
+    /// or a B matrix in `w_tile`, from `vec4` `at` on, rows `stride` `vec4`s apart.
     const EMULATED: &str = r"
 struct Stored {
     at: u32,
@@ -1230,8 +1231,9 @@ fn emulated_multiply_add(a: Stored, b: Stored, c: array<f32, 8>, lid: u32) -> ar
     var d = c;
     for (var i = 0u; i < 8u; i++) {
         for (var k = 0u; k < 16u; k++) {
-            let x = f32(x_tile[a.at + row * a.stride + k]);
-            d[i] += x * f32(w_tile[b.at + k * b.stride + column0 + i]);
+            let x = f32(x_tile[a.at + row * a.stride + k / 4u][k % 4u]);
+            let column = column0 + i;
+            d[i] += x * f32(w_tile[b.at + k * b.stride + column / 4u][column % 4u]);
         }
     }
     return d;
