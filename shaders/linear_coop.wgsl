@@ -10,8 +10,8 @@
 // writes these steps out, one variable per matrix.
 //
 // At the end each subgroup stores one of its matrices at a time into its own 16 × 16 staging
-// area, and the whole workgroup adds the bias and writes every subgroup's staged matrix to y.
-// Every barrier and every cooperative operation is reached by every thread: the control flow
+// area, and the whole workgroup adds the bias and writes every subgroup's staged matrix to y
+// (linear_coop_store.wgsl). Every barrier and every cooperative operation is reached by every thread: the control flow
 // around them depends on uniform values alone.
 //
 // Both slices are held in workgroup memory as vec4s of f16, as they are read: a thread stores
@@ -59,8 +59,6 @@ var<workgroup> x_tile: array<vec4<f16>, TILE_ROWS * X_STRIDE4>;
 // The slice of weight_t: w_tile[k * W_STRIDE4 + n / 4][n % 4] = weight_t[row k of the slice,
 // column n].
 var<workgroup> w_tile: array<vec4<f16>, DEPTH * W_STRIDE4>;
-// One 16 × 16 matrix of sums per subgroup, row by row, on its way to y.
-var<workgroup> staged: array<f32, SUBGROUPS * 256u>;
 
 // The `i`-th vec4 of the slice of x from column k0 (row i / (DEPTH / 4) of the block); zero
 // past in_features.
@@ -87,22 +85,16 @@ fn put_w(i: u32, v: vec4<f16>) {
     w_tile[(i / (TILE_COLUMNS / 4u)) * W_STRIDE4 + i % (TILE_COLUMNS / 4u)] = v;
 }
 
-// Writes every subgroup's staged matrix, plus the bias, to y where the row and column exist:
-// the one at rows `tile_row` and columns `tile_column` of each subgroup's cell.
-fn store_staged(row0: u32, column0_4: u32, tile_row: u32, tile_column: u32, lid: u32, out4: u32) {
-    for (var e = lid; e < SUBGROUPS * 64u; e += WORKGROUP) {
-        let cell = e / 64u;
-        let r = (e % 64u) / 4u;
-        let c4 = e % 4u;
-        let row = row0 + (cell / SUBGROUP_COLUMNS) * CELL_ROWS + tile_row + r;
-        let column4 = column0_4 + ((cell % SUBGROUP_COLUMNS) * CELL_COLUMNS + tile_column) / 4u + c4;
-        if (row < params.rows && column4 < out4) {
-            let at = cell * 256u + r * 16u + c4 * 4u;
-            let sums = vec4<f32>(staged[at], staged[at + 1u], staged[at + 2u], staged[at + 3u]);
-            y[row * out4 + column4] = vec4<f16>(sums + vec4<f32>(bias[column4]));
-        }
-    }
+// A matrix of sums starts at the row and vec4 column the block's layout gives it.
+fn matrix_row(row: u32) -> u32 {
+    return row;
 }
+
+fn matrix_column4(column4: u32, out4: u32) -> u32 {
+    return column4;
+}
+
+{{ store_staged }}
 
 @compute @workgroup_size(WORKGROUP)
 fn main(

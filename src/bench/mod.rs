@@ -210,7 +210,7 @@ pub struct RunSetup {
     pub rank: usize,
     /// `f32` or `f16`.
     pub precision: String,
-    /// The linear layers' kernel: `burn`, `wgsl`, `tiled` or `coop`.
+    /// The linear layers' kernel: `burn`, `wgsl`, `tiled`, `coop`, `coop-wide` or `coop-direct`.
     pub linear_kernel: String,
     /// The LoRA shrink shader: `timed` (`split` or `wide` per shape), `split`, `wide` or
     /// `registers` (`None` on the CPU backend, which runs its own op).

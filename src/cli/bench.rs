@@ -50,7 +50,7 @@ pub struct BenchArgs {
     /// The kernel of the linear layers' base products on a GPU (auto: ours for software GPUs
     /// on one, the fastest per shape, timed, on a hardware one). With auto on a GPU the base
     /// also runs with each candidate kernel alone (Burn's; on a hardware GPU Burn's, our tiled
-    /// one and in f16 coop where it runs), to compare them in one run.
+    /// one and in f16 the coop kernels where they run), to compare them in one run.
     #[arg(long, value_enum, default_value = "auto")]
     linear_kernel: LinearKernel,
     /// The LoRA shrink shader on a GPU (auto: registers on a software GPU; on a hardware one

@@ -1091,7 +1091,7 @@ fn check_options(options: &EngineOptions, device: &RuntimeDevice) -> Result<(), 
     {
         let subgroups = match tiling {
             CoopTiling::Narrow => "16, 32 or 64",
-            CoopTiling::Wide => "32",
+            CoopTiling::Wide | CoopTiling::Direct => "32",
         };
         Some(format!(
             "the {} linear kernel needs f16 on a GPU with cooperative matrices (16×16×16, \

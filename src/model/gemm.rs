@@ -1,7 +1,7 @@
 //! The linear layers' base product, `x · Wᵀ + b`, as a backend extension.
 //!
 //! [`linear`] computes it with the backend's own products ([`LinearBackend::linear_native`]: on
-//! the GPU Burn's matmul and add, [`composed`]), or with one of our three WGSL kernels
+//! the GPU Burn's matmul and add, [`composed`]), or with one of our four WGSL kernels
 //! ([`LinearShader`]), as [`LinearKernel`] says (which one a layer takes, fixed or timed per
 //! shape, is [`crate::model::linear_choice`]'s):
 //! - `shaders/linear.wgsl` is built for lavapipe (llvmpipe), where every load from a storage
@@ -19,8 +19,13 @@
 //!   f16 matrices into 16 × 16 matrices of f32 sums, in one of two [`CoopTiling`]s (`coop`:
 //!   8 subgroups of 32 × 64 values on the H200, where it is 1.39–7.8× as fast as Burn's f16
 //!   matmul per shape; `coop-wide`: 4 subgroups of 64 × 64 values, not yet timed on a device).
-//!   Only devices that offer those matrices run it ([`coop_subgroup`]); lavapipe does not, so
-//!   CI runs its staging, indexing and stores with the cooperative operations emulated.
+//! - `shaders/linear_coop_direct.wgsl` (`coop-direct`) is `coop-wide` with its matrices loaded
+//!   straight from the buffers: no workgroup memory and no barrier in its k loop; not yet timed
+//!   on a device.
+//!
+//! Only devices that offer cooperative matrices run the last two ([`coop_subgroup`]); lavapipe
+//! does not, so CI runs their staging, indexing and stores with the cooperative operations
+//! emulated.
 //!
 //! On Flex (the CPU backend) the product with a bias is one `gemm` call that adds onto rows of
 //! the bias, whichever kernel is asked for.
@@ -37,6 +42,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_flex::FlexTensor;
 use rayon::prelude::*;
+use std::sync::LazyLock;
 
 use crate::device::RuntimeDevice;
 use crate::lora::ops::native::{dense, element, gemm_parallelism, strided, values};
@@ -72,21 +78,21 @@ pub const TILED_DEPTH: u32 = 8;
 /// as the device's subgroup size divides it into, one cell of the block each.
 pub const COOP_WORKGROUP: u32 = 256;
 
-/// Invocations per workgroup of `linear_coop.wgsl` in [`CoopTiling::Wide`]: four subgroups of 32,
-/// one 64 × 64 cell of the block each.
+/// Invocations per workgroup of the cooperative-matrix kernels in [`CoopTiling::Wide`] and
+/// [`CoopTiling::Direct`]: four subgroups of 32, one 64 × 64 cell of the block each.
 pub const COOP_WIDE_WORKGROUP: u32 = 128;
 
-/// Rows of a `linear_coop.wgsl` block.
+/// Rows of a cooperative-matrix kernel's block.
 pub const COOP_ROWS: u32 = 128;
 
-/// Columns of a `linear_coop.wgsl` block.
+/// Columns of a cooperative-matrix kernel's block.
 pub const COOP_COLUMNS: u32 = 128;
 
 /// Columns of `x` (rows of `Wᵀ`) a `linear_coop.wgsl` block stages at a time: two steps of one
 /// 16-wide matrix.
 pub const COOP_DEPTH: u32 = 32;
 
-/// The side of one cooperative matrix of `linear_coop.wgsl` (16 × 16 × 16 products).
+/// The side of one cooperative matrix of the coop kernels (16 × 16 × 16 products).
 const MATRIX: u32 = 16;
 
 /// Values each row of `linear_coop.wgsl`'s slices in workgroup memory is padded by: 16 bytes of
@@ -110,9 +116,9 @@ pub enum LinearKernel {
     #[default]
     Auto,
     /// The fastest for each shape of the device's candidates (`burn` and `tiled` on a hardware
-    /// GPU, and `coop` in f16 where it runs; `wgsl` and `burn` on a software one), timed on the
-    /// device the first time a product of that shape runs, each output checked against Burn's
-    /// product in f32 first (the `linear_choice` module).
+    /// GPU, and the `coop` kernels in f16 where they run; `wgsl` and `burn` on a software one),
+    /// timed on the device the first time a product of that shape runs, each output checked
+    /// against Burn's product in f32 first (the `linear_choice` module).
     Timed,
     /// Burn's matmul, then the bias added.
     Burn,
@@ -133,6 +139,11 @@ pub enum LinearKernel {
     /// memory per product, against three quarters in `Coop`'s 32 × 64 cells at subgroups of 32.
     /// Only for a device with cooperative matrices and subgroups of 32 alone.
     CoopWide,
+    /// `shaders/linear_coop_direct.wgsl`, in [`CoopTiling::Direct`]: `CoopWide`'s cells, each
+    /// matrix loaded straight from `x` and `Wᵀ` rather than staged through workgroup memory,
+    /// where `in` is a multiple of 16 and there are at least 16 rows and 16 output columns
+    /// (else Burn's). Only for a device with cooperative matrices and subgroups of 32 alone.
+    CoopDirect,
 }
 
 /// Our WGSL kernels for the linear layers.
@@ -142,16 +153,18 @@ pub enum LinearShader {
     Registers,
     /// `shaders/linear_tiled.wgsl`.
     Tiled,
-    /// `shaders/linear_coop.wgsl`, its block cut among subgroups as the tiling says.
+    /// `shaders/linear_coop.wgsl` (or `linear_coop_direct.wgsl` in [`CoopTiling::Direct`]),
+    /// its block cut among subgroups as the tiling says.
     Coop(CoopTiling),
-    /// `shaders/linear_coop.wgsl` at subgroups of 32, each cooperative operation replaced by
-    /// its definition in plain WGSL: the kernel's staging, indexing and stores, checked on
-    /// devices without cooperative matrices.
+    /// [`LinearShader::Coop`] at subgroups of 32, each cooperative operation replaced by its
+    /// definition in plain WGSL: the kernel's staging, indexing and stores, checked on devices
+    /// without cooperative matrices.
     #[cfg(test)]
     CoopEmulated(CoopTiling),
 }
 
-/// How `linear_coop.wgsl` cuts its 128 × 128 block among the subgroups of a workgroup.
+/// How a cooperative-matrix kernel cuts its 128 × 128 block among the subgroups of a workgroup,
+/// and where it loads its matrices from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CoopTiling {
     /// [`COOP_WORKGROUP`] invocations: 16, 8 or 4 subgroups of 16, 32 or 64, each a cell of at
@@ -160,17 +173,41 @@ pub enum CoopTiling {
     /// [`COOP_WIDE_WORKGROUP`] invocations: 4 subgroups of 32, each a cell of 4 × 4 matrices
     /// (64 × 64 values).
     Wide,
+    /// `Wide`'s cells, the matrices loaded from the buffers (`linear_coop_direct.wgsl`) rather
+    /// than from slices staged in workgroup memory.
+    Direct,
 }
 
 impl CoopTiling {
-    /// Both tilings.
-    pub const ALL: [CoopTiling; 2] = [CoopTiling::Narrow, CoopTiling::Wide];
+    /// Every tiling.
+    pub const ALL: [CoopTiling; 3] = [CoopTiling::Narrow, CoopTiling::Wide, CoopTiling::Direct];
 
     /// Invocations per workgroup.
     fn workgroup(self) -> u32 {
         match self {
             CoopTiling::Narrow => COOP_WORKGROUP,
-            CoopTiling::Wide => COOP_WIDE_WORKGROUP,
+            CoopTiling::Wide | CoopTiling::Direct => COOP_WIDE_WORKGROUP,
+        }
+    }
+
+    /// The tiling's shader file under `shaders/`.
+    fn file_name(self) -> &'static str {
+        match self {
+            CoopTiling::Narrow | CoopTiling::Wide => "linear_coop.wgsl",
+            CoopTiling::Direct => "linear_coop_direct.wgsl",
+        }
+    }
+
+    /// Whether a product of `rows × in_features → out_features` (widths multiples of 4) is one
+    /// the tiling's kernel computes: `Direct` loads whole 16 × 16 matrices from the buffers, so
+    /// it needs `in` a multiple of 16 and at least 16 rows and 16 output columns.
+    fn takes_shape(self, rows: usize, in_features: usize, out_features: usize) -> bool {
+        match self {
+            CoopTiling::Narrow | CoopTiling::Wide => true,
+            CoopTiling::Direct => {
+                let side = MATRIX as usize;
+                in_features.is_multiple_of(side) && rows >= side && out_features >= side
+            }
         }
     }
 }
@@ -238,34 +275,47 @@ impl LinearKernel {
             LinearKernel::Tiled => "tiled",
             LinearKernel::Coop => "coop",
             LinearKernel::CoopWide => "coop-wide",
+            LinearKernel::CoopDirect => "coop-direct",
         }
     }
 
     /// The kernels worth comparing on `device` for tensors of `dtype`, the ones `timed` times
     /// (each list holds Burn's, the reference the others are checked against): on a software
-    /// GPU ours for it and Burn's; on a hardware GPU Burn's and our tiled one, and in f16 our
-    /// cooperative-matrix one in each tiling the device runs; on the CPU Burn's (Flex's matmul).
+    /// GPU ours for it and Burn's; on a hardware GPU Burn's and our tiled one, and in f16 each
+    /// of our cooperative-matrix ones the device runs; on the CPU Burn's (Flex's matmul).
     ///
     /// A hardware GPU whose workgroups take fewer invocations than the tiled kernel's
     /// [`TILED_WORKGROUP`] (OpenGL ES 3.1 promises 128) times none of ours: Burn's alone (such
     /// a device with cooperative matrices, which `coop-wide`'s 128 invocations would fit, is
     /// not known).
     pub fn candidates(device: &RuntimeDevice, dtype: DType) -> &'static [LinearKernel] {
-        use LinearKernel::{Burn, Coop, CoopWide, Tiled, Wgsl};
+        use LinearKernel::{Burn, Tiled, Wgsl};
+        /// `[Burn, Tiled]` and the coop kernels of each set (bit `i`: [`LinearKernel::COOP`]`[i]`).
+        static WITH_COOP: LazyLock<[Vec<LinearKernel>; 1 << LinearKernel::COOP.len()]> =
+            LazyLock::new(|| {
+                std::array::from_fn(|set| {
+                    let coop = (0..LinearKernel::COOP.len())
+                        .filter(|i| set & (1 << i) != 0)
+                        .map(|i| LinearKernel::COOP[i]);
+                    [Burn, Tiled].into_iter().chain(coop).collect()
+                })
+            });
         let Some(setup) = device.wgpu.as_ref() else {
             return &[Burn];
         };
         let tiled = LinearShader::Tiled.runs_on(Capacity::of_wgpu(setup));
-        let coop = |tiling| dtype == DType::F16 && coop_subgroup(device, tiling).is_some();
         match (device.hardware_gpu, tiled) {
             (false, _) => &[Wgsl, Burn],
             (true, false) => &[Burn],
-            (true, true) => match (coop(CoopTiling::Narrow), coop(CoopTiling::Wide)) {
-                (true, true) => &[Burn, Tiled, Coop, CoopWide],
-                (true, false) => &[Burn, Tiled, Coop],
-                (false, true) => &[Burn, Tiled, CoopWide],
-                (false, false) => &[Burn, Tiled],
-            },
+            (true, true) => {
+                let runs = |kernel: LinearKernel| {
+                    dtype == DType::F16 && kernel.coop_subgroup(device).is_some()
+                };
+                let set = (0..LinearKernel::COOP.len())
+                    .filter(|&i| runs(LinearKernel::COOP[i]))
+                    .fold(0, |set, i| set | 1 << i);
+                &WITH_COOP[set]
+            }
         }
     }
 
@@ -281,9 +331,14 @@ impl LinearKernel {
     }
 
     /// The cooperative-matrix kernels, one per tiling.
-    pub const COOP: [LinearKernel; 2] = [LinearKernel::Coop, LinearKernel::CoopWide];
+    pub const COOP: [LinearKernel; 3] = [
+        LinearKernel::Coop,
+        LinearKernel::CoopWide,
+        LinearKernel::CoopDirect,
+    ];
 
-    /// The tiling of a cooperative-matrix kernel (`coop`, `coop-wide`); `None` for the others.
+    /// The tiling of a cooperative-matrix kernel (`coop`, `coop-wide`, `coop-direct`); `None`
+    /// for the others.
     pub fn coop_tiling(self) -> Option<CoopTiling> {
         match self.shader() {
             Some(LinearShader::Coop(tiling)) => Some(tiling),
@@ -304,6 +359,7 @@ impl LinearKernel {
             LinearKernel::Tiled => Some(LinearShader::Tiled),
             LinearKernel::Coop => Some(LinearShader::Coop(CoopTiling::Narrow)),
             LinearKernel::CoopWide => Some(LinearShader::Coop(CoopTiling::Wide)),
+            LinearKernel::CoopDirect => Some(LinearShader::Coop(CoopTiling::Direct)),
             LinearKernel::Auto | LinearKernel::Timed | LinearKernel::Burn => None,
         }
     }
@@ -357,15 +413,16 @@ pub fn linear(
 
 /// The element type `shader` reads a product's tensors as, where it takes them: `x` (dtype,
 /// `[rows, in]`), `weight_t` (`[in, out]`) and `bias` (`[out]`) of one dtype, f32 or f16 (f16
-/// alone for the cooperative-matrix kernel), every width a multiple of 4 and `in` not 0.
-/// `None` where it does not: the kernels bind each buffer as that one type, unchecked.
+/// alone for the cooperative-matrix kernels), every width a multiple of 4 and `in` not 0 (and
+/// the shapes [`CoopTiling::Direct`] takes, for it). `None` where it does not: the kernels bind
+/// each buffer as that one type, unchecked.
 fn kernel_elem(
     shader: LinearShader,
     x: (DType, [usize; 2]),
     weight_t: (DType, [usize; 2]),
     bias: (DType, usize),
 ) -> Option<Elem> {
-    let (dtype, [_, in_features]) = x;
+    let (dtype, [rows, in_features]) = x;
     let (_, [weight_in, out_features]) = weight_t;
     let elem = match dtype {
         DType::F32 => Elem::F32,
@@ -377,7 +434,11 @@ fn kernel_elem(
         && out_features.is_multiple_of(4)
         && weight_in == in_features
         && bias.1 == out_features;
-    (widths && weight_t.0 == dtype && bias.0 == dtype && shader.takes(elem)).then_some(elem)
+    let shape = shader
+        .coop_tiling()
+        .is_none_or(|tiling| tiling.takes_shape(rows, in_features, out_features));
+    (widths && shape && weight_t.0 == dtype && bias.0 == dtype && shader.takes(elem))
+        .then_some(elem)
 }
 
 /// What of a device decides which of our shaders it runs: its limits on one workgroup and its
@@ -420,9 +481,9 @@ impl LinearShader {
         match self {
             LinearShader::Registers => "linear.wgsl",
             LinearShader::Tiled => "linear_tiled.wgsl",
-            LinearShader::Coop(_) => "linear_coop.wgsl",
+            LinearShader::Coop(tiling) => tiling.file_name(),
             #[cfg(test)]
-            LinearShader::CoopEmulated(_) => "linear_coop.wgsl",
+            LinearShader::CoopEmulated(tiling) => tiling.file_name(),
         }
     }
 
@@ -455,7 +516,17 @@ impl LinearShader {
         LinearSource::new(self, elem, subgroup).map(|source| source.source().complete())
     }
 
-    /// Whether the shader is written for tensors of `elem` (the cooperative-matrix one: f16
+    /// The tiling of a cooperative-matrix shader (emulated or not); `None` for the others.
+    fn coop_tiling(self) -> Option<CoopTiling> {
+        match self {
+            LinearShader::Coop(tiling) => Some(tiling),
+            #[cfg(test)]
+            LinearShader::CoopEmulated(tiling) => Some(tiling),
+            LinearShader::Registers | LinearShader::Tiled => None,
+        }
+    }
+
+    /// Whether the shader is written for tensors of `elem` (the cooperative-matrix ones: f16
     /// alone).
     fn takes(self, elem: Elem) -> bool {
         match self {
@@ -487,9 +558,11 @@ impl LinearShader {
     }
 }
 
-/// How `linear_coop.wgsl` cuts its block among the subgroups of a workgroup.
+/// How a coop kernel cuts its block among the subgroups of a workgroup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct CoopLayout {
+    /// The tiling laid out.
+    tiling: CoopTiling,
     /// Invocations per workgroup.
     workgroup: u32,
     /// Subgroups per workgroup: one cell of the block each.
@@ -501,15 +574,18 @@ struct CoopLayout {
 impl CoopLayout {
     /// The layout of `tiling` for subgroups of `subgroup` invocations (`None` for sizes it does
     /// not lay out): in `Narrow`, 4, 8 or 16 subgroups of 64, 32 or 16, each cell at most 4 × 4
-    /// matrices; in `Wide`, 4 subgroups of 32, each cell 4 × 4 matrices.
+    /// matrices; in `Wide` and `Direct`, 4 subgroups of 32, each cell 4 × 4 matrices.
     fn new(tiling: CoopTiling, subgroup: u32) -> Option<Self> {
         let workgroup = tiling.workgroup();
         let subgroups = match (tiling, subgroup) {
-            (CoopTiling::Narrow, 16 | 32 | 64) | (CoopTiling::Wide, 32) => workgroup / subgroup,
+            (CoopTiling::Narrow, 16 | 32 | 64) | (CoopTiling::Wide | CoopTiling::Direct, 32) => {
+                workgroup / subgroup
+            }
             _ => return None,
         };
         let subgroup_columns = if subgroups == 16 { 4 } else { 2 };
         Some(CoopLayout {
+            tiling,
             workgroup,
             subgroups,
             subgroup_columns,
@@ -525,16 +601,20 @@ impl CoopLayout {
         )
     }
 
-    /// Bytes of workgroup memory the kernel declares: the two padded f16 slices and one
-    /// 16 × 16 f32 staging matrix per subgroup.
+    /// Bytes of workgroup memory the kernel declares: one 16 × 16 f32 staging matrix per
+    /// subgroup and, but in `Direct`, the two padded f16 slices.
     fn workgroup_bytes(self) -> u32 {
+        let staged = self.subgroups * MATRIX * MATRIX * 4;
         let x_tile = COOP_ROWS * (COOP_DEPTH + COOP_PAD) * 2;
         let w_tile = COOP_DEPTH * (COOP_COLUMNS + COOP_PAD) * 2;
-        x_tile + w_tile + self.subgroups * MATRIX * MATRIX * 4
+        match self.tiling {
+            CoopTiling::Narrow | CoopTiling::Wide => x_tile + w_tile + staged,
+            CoopTiling::Direct => staged,
+        }
     }
 }
 
-/// The subgroup size `linear_coop.wgsl` runs at in `tiling` on `device`, where it can run there:
+/// The subgroup size the coop kernel runs at in `tiling` on `device`, where it can run there:
 /// a wgpu device with cooperative matrices, subgroups and f16, whose adapter offers 16 × 16 × 16
 /// products of f16 matrices summed in f32 without saturating (naga never asks for it), and
 /// whose workgroups and subgroups the kernel fits (`LinearShader::runs_on`).
@@ -779,6 +859,7 @@ impl KernelSource for LinearSource {
             #[cfg(test)]
             LinearShader::CoopEmulated(tiling) => SourceTemplate::new(tests::emulated_coop(
                 coop_template(tiling, tests::EMULATED_SUBGROUP).complete(),
+                tiling,
             )),
         };
         template
@@ -848,14 +929,22 @@ fn unrolled() -> [String; 4] {
     ]
 }
 
-/// `shaders/linear_coop.wgsl` with everything but its element type filled in, in `tiling` for
-/// subgroups of `subgroup` invocations, a size [`CoopLayout`] lays out in it
-/// ([`LinearSource::new`] made sure).
+/// The coop kernel of `tiling` (`shaders/linear_coop.wgsl`, or `linear_coop_direct.wgsl` in
+/// `Direct`) with everything but its element type filled in, for subgroups of `subgroup`
+/// invocations, a size [`CoopLayout`] lays out in it ([`LinearSource::new`] made sure).
 fn coop_template(tiling: CoopTiling, subgroup: u32) -> SourceTemplate {
     let layout = CoopLayout::new(tiling, subgroup)
         .expect("LinearSource::new takes coop only at a subgroup size CoopLayout lays out");
     let [declare, multiply, store] = coop_unrolled(layout);
-    SourceTemplate::new(include_str!("../../shaders/linear_coop.wgsl"))
+    let template = match tiling {
+        CoopTiling::Narrow | CoopTiling::Wide => include_str!("../../shaders/linear_coop.wgsl"),
+        CoopTiling::Direct => include_str!("../../shaders/linear_coop_direct.wgsl"),
+    };
+    SourceTemplate::new(template)
+        .register(
+            "store_staged",
+            include_str!("../../shaders/linear_coop_store.wgsl"),
+        )
         .register("workgroup", layout.workgroup.to_string())
         .register("subgroups", layout.subgroups.to_string())
         .register("subgroup_columns", layout.subgroup_columns.to_string())
@@ -872,42 +961,78 @@ fn coop_template(tiling: CoopTiling, subgroup: u32) -> SourceTemplate {
         .register("store", store)
 }
 
-/// The statements `shaders/linear_coop.wgsl` repeats for each matrix of a subgroup's cell,
-/// written out with a variable each: `{{ declare }}` (the sums), `{{ multiply }}` (one 16-wide
-/// step of k at column `k` of the slice) and `{{ store }}` (staged, then written with the bias).
-/// Every index and stride is a `let` of its own.
+/// The statements a coop kernel repeats for each matrix of a subgroup's cell, written out with a
+/// variable each: `{{ declare }}` (the sums, and in `Direct` where each row and column of
+/// matrices starts), `{{ multiply }}` (one 16-wide step of k: at column `k` of the staged slice,
+/// or at `vec4` column `k4` of `x` and row `4 · k4` of `Wᵀ` in `Direct`) and `{{ store }}`
+/// (staged, then written with the bias). Every index and stride is a `let` of its own.
 fn coop_unrolled(layout: CoopLayout) -> [String; 3] {
     let (down, across) = layout.matrices();
+    let direct = layout.tiling == CoopTiling::Direct;
     let cells: Vec<(u32, u32)> = (0..down)
         .flat_map(|i| (0..across).map(move |j| (i, j)))
         .collect();
-    let declare = cells
+    let sums = cells
         .iter()
-        .map(|(i, j)| format!("var sums_{i}_{j} = coop_mat16x16<f32, C>();"))
-        .collect::<Vec<_>>();
+        .map(|(i, j)| format!("var sums_{i}_{j} = coop_mat16x16<f32, C>();"));
+    let origins = (0..down)
+        .map(|i| {
+            format!(
+                "let a_row_{i} = matrix_row(row0 + cell_row + {}u);",
+                MATRIX * i
+            )
+        })
+        .chain((0..across).map(|j| {
+            format!(
+                "let b_column4_{j} = matrix_column4(column0_4 + (cell_column + {}u) / 4u, out4);",
+                MATRIX * j
+            )
+        }));
+    let declare: Vec<String> = if direct {
+        origins.chain(sums).collect()
+    } else {
+        sums.collect()
+    };
+    // Where matrix `i` down (`j` across) of this step lies: its index, then the array and stride.
+    let a_at = |i: u32| {
+        if direct {
+            (format!("a_row_{i} * in4 + k4"), "x", "in4")
+        } else {
+            let at = format!("(cell_row + {}u) * X_STRIDE4 + k / 4u", MATRIX * i);
+            (at, "x_tile", "x_stride")
+        }
+    };
+    let b_at = |j: u32| {
+        if direct {
+            (
+                format!("4u * k4 * out4 + b_column4_{j}"),
+                "weight_t",
+                "out4",
+            )
+        } else {
+            let at = format!("k * W_STRIDE4 + (cell_column + {}u) / 4u", MATRIX * j);
+            (at, "w_tile", "w_stride")
+        }
+    };
     let multiply = [
         (0..down)
             .flat_map(|i| {
+                let (at, array, stride) = a_at(i);
                 [
+                    format!("let a_at_{i} = {at};"),
                     format!(
-                        "let a_at_{i} = (cell_row + {}u) * X_STRIDE4 + k / 4u;",
-                        MATRIX * i
-                    ),
-                    format!(
-                        "let a_{i} = coopLoadT<coop_mat16x16<f16, A>>(&x_tile[a_at_{i}], x_stride);"
+                        "let a_{i} = coopLoadT<coop_mat16x16<f16, A>>(&{array}[a_at_{i}], {stride});"
                     ),
                 ]
             })
             .collect::<Vec<_>>(),
         (0..across)
             .flat_map(|j| {
+                let (at, array, stride) = b_at(j);
                 [
+                    format!("let b_at_{j} = {at};"),
                     format!(
-                        "let b_at_{j} = k * W_STRIDE4 + (cell_column + {}u) / 4u;",
-                        MATRIX * j
-                    ),
-                    format!(
-                        "let b_{j} = coopLoadT<coop_mat16x16<f16, B>>(&w_tile[b_at_{j}], w_stride);"
+                        "let b_{j} = coopLoadT<coop_mat16x16<f16, B>>(&{array}[b_at_{j}], {stride});"
                     ),
                 ]
             })
@@ -933,9 +1058,10 @@ fn coop_unrolled(layout: CoopLayout) -> [String; 3] {
             ]
         })
         .collect::<Vec<_>>();
+    let multiply_indent = if direct { "        " } else { "            " };
     [
         wgsl::statements("    ", &declare),
-        wgsl::statements("            ", &multiply),
+        wgsl::statements(multiply_indent, &multiply),
         wgsl::statements("    ", &store),
     ]
 }
@@ -1172,12 +1298,13 @@ mod tests {
     /// emulated subgroup are consecutive invocations.
     pub(super) const EMULATED_SUBGROUP: u32 = 32;
 
-    /// Plain WGSL for each cooperative operation of a rendered `linear_coop.wgsl`. A subgroup is
-    /// [`EMULATED_SUBGROUP`] consecutive invocations; each holds 8 values of a matrix of sums
-    /// (half a row: lane `l` has row `l / 2`, columns `8 · (l % 2)` on). A loaded matrix is
-    /// where it lies in workgroup memory, which holds still while it is used; the product reads
-    /// its rows and columns there. What is left is the kernel's own staging, indexing and stores.
-    pub(super) fn emulated_coop(source: String) -> String {
+    /// Plain WGSL for each cooperative operation of a rendered coop kernel in `tiling`. A
+    /// subgroup is [`EMULATED_SUBGROUP`] consecutive invocations; each holds 8 values of a matrix
+    /// of sums (half a row: lane `l` has row `l / 2`, columns `8 · (l % 2)` on). A loaded matrix
+    /// is where it lies, in workgroup memory (or in `Direct` in `x` and `weight_t`), which holds
+    /// still while it is used; the product reads its rows and columns there. What is left is the
+    /// kernel's own staging, indexing and stores.
+    pub(super) fn emulated_coop(source: String, tiling: CoopTiling) -> String {
         let replacements: [(&str, &str); 7] = [
             (r"enable wgpu_cooperative_matrix;\n", ""),
             (r"coop_mat16x16<f32, C>\(\)", "array<f32, 8>()"),
@@ -1204,20 +1331,27 @@ mod tests {
             let pattern = regex::Regex::new(pattern).unwrap();
             assert!(
                 pattern.is_match(&source),
-                "{pattern} is in linear_coop.wgsl"
+                "{pattern} is in {}",
+                tiling.file_name()
             );
             source = pattern.replace_all(&source, replacement).into_owned();
         }
-        let left = regex::Regex::new(r"coop[A-Z_]").unwrap();
+        let left = regex::Regex::new(r"coop(Load|Store|MultiplyAdd|_mat)").unwrap();
         assert!(
             !left.is_match(&source),
             "every cooperative operation is emulated"
         );
-        source + &format!("const EMULATED_SUBGROUP: u32 = {EMULATED_SUBGROUP}u;\n") + EMULATED
+        let (a, b) = match tiling {
+            CoopTiling::Narrow | CoopTiling::Wide => ("x_tile", "w_tile"),
+            CoopTiling::Direct => ("x", "weight_t"),
+        };
+        let emulated = EMULATED.replace("A_ARRAY", a).replace("B_ARRAY", b);
+        source + &format!("const EMULATED_SUBGROUP: u32 = {EMULATED_SUBGROUP}u;\n") + &emulated
     }
 
-    /// The cooperative operations [`emulated_coop`] calls: `Stored` is an A matrix in `x_tile`
-    /// or a B matrix in `w_tile`, from `vec4` `at` on, rows `stride` `vec4`s apart.
+    /// The cooperative operations [`emulated_coop`] calls: `Stored` is an A matrix in `A_ARRAY`
+    /// or a B matrix in `B_ARRAY` (named for the tiling there), from `vec4` `at` on, rows
+    /// `stride` `vec4`s apart.
     const EMULATED: &str = r"
 struct Stored {
     at: u32,
@@ -1231,9 +1365,9 @@ fn emulated_multiply_add(a: Stored, b: Stored, c: array<f32, 8>, lid: u32) -> ar
     var d = c;
     for (var i = 0u; i < 8u; i++) {
         for (var k = 0u; k < 16u; k++) {
-            let x = f32(x_tile[a.at + row * a.stride + k / 4u][k % 4u]);
+            let x = f32(A_ARRAY[a.at + row * a.stride + k / 4u][k % 4u]);
             let column = column0 + i;
-            d[i] += x * f32(w_tile[b.at + k * b.stride + column / 4u][column % 4u]);
+            d[i] += x * f32(B_ARRAY[b.at + k * b.stride + column / 4u][column % 4u]);
         }
     }
     return d;
@@ -1248,10 +1382,10 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
 }
 ";
 
-    /// `linear_coop.wgsl` with its cooperative operations emulated ([`emulated_coop`]), in f16
+    /// Each coop kernel with its cooperative operations emulated ([`emulated_coop`]), in f16
     /// on any GPU with it (lavapipe too): row counts past one row block, widths below and past
-    /// one block's columns, depths below and past one staged slice, and `attn.qkv` of the 2B
-    /// shape. The cooperative operations
+    /// one block's columns, depths below and past one staged slice ([`coop_shapes`]), and
+    /// `attn.qkv` of the 2B shape. The cooperative operations
     /// themselves are checked where the device has them ([`coop_matches_float64`]).
     #[test]
     fn coop_emulated_matches_float64() {
@@ -1272,28 +1406,17 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
                     ))
                 },
             };
-            let (block, columns, depth) = (
-                COOP_ROWS as usize,
-                COOP_COLUMNS as usize,
-                COOP_DEPTH as usize,
-            );
-            for rows in [1, block + 1] {
-                for (in_features, out_features) in [
-                    (4, 4),
-                    (depth - 4, columns - 4),
-                    (2 * depth + 4, 2 * columns + 4),
-                ] {
-                    check_ours(
-                        &gpu,
-                        &ours,
-                        [rows, in_features, out_features],
-                        DType::F16,
-                        1,
-                    );
-                }
+            for shape in coop_shapes(tiling, &[1, COOP_ROWS as usize + 1]) {
+                check_ours(&gpu, &ours, shape, DType::F16, 1);
             }
             // `attn.qkv` of the 2B shape: 40 slices deep, 30 blocks across.
-            check_ours(&gpu, &ours, [block + 3, 1280, 3840], DType::F16, 1);
+            check_ours(
+                &gpu,
+                &ours,
+                [COOP_ROWS as usize + 3, 1280, 3840],
+                DType::F16,
+                1,
+            );
         }
     }
 
@@ -1308,14 +1431,44 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
         let Some(gpu) = device::gpu_for_tests() else {
             return;
         };
-        for (tiling, kernel) in [
-            (CoopTiling::Narrow, LinearKernel::Coop),
-            (CoopTiling::Wide, LinearKernel::CoopWide),
-        ] {
+        for kernel in LinearKernel::COOP {
+            let tiling = kernel.coop_tiling().unwrap();
             if coop_for_tests(&gpu, tiling).is_some() {
                 coop_kernel_matches_float64(&gpu, kernel);
             }
         }
+    }
+
+    /// Shapes `[rows, in, out]` for the coop kernel of `tiling`, at each of `rows` (and 16 in
+    /// its stead where `Direct` takes no fewer): widths below, at and past one block's columns,
+    /// and depths below, at and past one staged slice; in `Direct` the depths are multiples of
+    /// 16, and each width but the smallest is 4 past one, so that its last matrix moves back.
+    fn coop_shapes(tiling: CoopTiling, rows: &[usize]) -> Vec<[usize; 3]> {
+        let (columns, depth) = (COOP_COLUMNS as usize, COOP_DEPTH as usize);
+        let widths = match tiling {
+            CoopTiling::Narrow | CoopTiling::Wide => [
+                (4, 4),
+                (depth - 4, columns - 4),
+                (depth + 4, columns + 4),
+                (4 * depth + 4, 2 * columns),
+            ],
+            CoopTiling::Direct => [
+                (16, 16),
+                (depth - 16, columns - 12),
+                (depth + 16, columns + 4),
+                (4 * depth + 16, 2 * columns + 4),
+            ],
+        };
+        let side = MATRIX as usize;
+        rows.iter()
+            .map(|&rows| match tiling {
+                CoopTiling::Direct => rows.max(side),
+                _ => rows,
+            })
+            .flat_map(|rows| {
+                widths.map(|(in_features, out_features)| [rows, in_features, out_features])
+            })
+            .collect()
     }
 
     /// [`coop_matches_float64`] for one of the coop kernels.
@@ -1327,23 +1480,14 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
                 .filter(|&n| n > 0)
                 .expect("MMLORA_COOP_REPEATS is a count of runs, at least 1")
         });
-        let (block, columns, depth) = (
-            COOP_ROWS as usize,
-            COOP_COLUMNS as usize,
-            COOP_DEPTH as usize,
-        );
+        let block = COOP_ROWS as usize;
         let coop = |shape: [usize; 3]| {
             check_repeated(gpu, kernel, shape, DType::F16, repeats);
         };
-        for rows in [1, block - 1, block, block + 1, 3 * block + 5] {
-            for (in_features, out_features) in [
-                (4, 4),
-                (depth - 4, columns - 4),
-                (depth + 4, columns + 4),
-                (4 * depth + 4, 2 * columns),
-            ] {
-                coop([rows, in_features, out_features]);
-            }
+        let tiling = kernel.coop_tiling().unwrap();
+        let rows = [1, 17, block - 1, block, block + 1, 3 * block + 5];
+        for shape in coop_shapes(tiling, &rows) {
+            coop(shape);
         }
         for (in_features, out_features) in QWEN2_VL_2B_LINEARS {
             coop([2 * block + 3, in_features, out_features]);
@@ -1360,7 +1504,7 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
         };
         let mut dtypes = vec![DType::F32];
         let coop = CoopTiling::ALL.map(|tiling| coop_subgroup(&gpu, tiling).is_some());
-        if coop == [false; 2] && device::f16_for_tests(&gpu) {
+        if coop == [false; 3] && device::f16_for_tests(&gpu) {
             dtypes.push(DType::F16);
         }
         let d = &gpu.device;
@@ -1373,7 +1517,7 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
             let bias = Tensor::<1>::from_data(TensorData::new(integers(12, 4), [12]), d);
             let (x, weight_t, bias) = (x.cast(dtype), weight_t.cast(dtype), bias.cast(dtype));
             let burns = linear(x.clone(), &weight_t, Some(&bias), LinearKernel::Burn).into_data();
-            for kernel in [LinearKernel::Coop, LinearKernel::CoopWide] {
+            for kernel in LinearKernel::COOP {
                 let coop = linear(x.clone(), &weight_t, Some(&bias), kernel);
                 // Small integers: every sum is exact (in f16 too), whatever kernel Burn's
                 // autotune takes.
@@ -1412,8 +1556,20 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
         }
         for tiling in CoopTiling::ALL {
             let coop = LinearShader::Coop(tiling);
+            let direct = tiling == CoopTiling::Direct;
+            let shape = [16, 32, 16];
             assert_eq!(take(coop, [f16s; 3], shape), Some(Elem::F16));
             assert_eq!(take(coop, [f32s; 3], shape), None);
+            // `Direct` loads whole matrices: 16 rows and 16 output columns at least, and a
+            // depth of whole matrices.
+            for small in [[15, 32, 16], [16, 36, 16], [16, 32, 12]] {
+                let taken = take(coop, [f16s; 3], small);
+                assert_eq!(
+                    taken,
+                    (!direct).then_some(Elem::F16),
+                    "{tiling:?} {small:?}"
+                );
+            }
         }
         // A weight or bias whose shape is not the product's.
         let f32_at = |shape| (f32s, shape);
@@ -1588,7 +1744,7 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
 
     #[test]
     fn auto_and_the_candidates_follow_the_device() {
-        use LinearKernel::{Auto, Burn, Coop, CoopWide, Tiled, Timed, Wgsl};
+        use LinearKernel::{Auto, Burn, Tiled, Timed, Wgsl};
         let cpu = device::cpu();
         for dtype in [DType::F32, DType::F16] {
             assert_eq!(LinearKernel::candidates(&cpu, dtype), &[Burn]);
@@ -1597,17 +1753,18 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
         assert_eq!(Wgsl.resolve(&cpu), Wgsl);
         if let Some(gpu) = device::gpu_for_tests() {
             let tiled = LinearShader::Tiled.runs_on(Capacity::of_wgpu(gpu.wgpu.as_ref().unwrap()));
-            let coop = CoopTiling::ALL
-                .map(|tiling| gpu.hardware_gpu && coop_for_tests(&gpu, tiling).is_some());
-            let (auto, f32s, f16s): (_, &[_], &[_]) = match (gpu.hardware_gpu, tiled, coop) {
-                (false, _, _) => (Wgsl, &[Wgsl, Burn], &[Wgsl, Burn]),
-                (true, false, _) => (Timed, &[Burn], &[Burn]),
-                (true, true, [false, false]) => (Timed, &[Burn, Tiled], &[Burn, Tiled]),
-                (true, true, [true, false]) => (Timed, &[Burn, Tiled], &[Burn, Tiled, Coop]),
-                (true, true, [false, true]) => (Timed, &[Burn, Tiled], &[Burn, Tiled, CoopWide]),
-                (true, true, [true, true]) => {
-                    (Timed, &[Burn, Tiled], &[Burn, Tiled, Coop, CoopWide])
-                }
+            // The coop kernels the device runs, in `LinearKernel::COOP`'s order.
+            let coop: Vec<LinearKernel> = LinearKernel::COOP
+                .into_iter()
+                .filter(|kernel| {
+                    let tiling = kernel.coop_tiling().unwrap();
+                    gpu.hardware_gpu && coop_for_tests(&gpu, tiling).is_some()
+                })
+                .collect();
+            let (auto, f32s, f16s) = match (gpu.hardware_gpu, tiled) {
+                (false, _) => (Wgsl, vec![Wgsl, Burn], vec![Wgsl, Burn]),
+                (true, false) => (Timed, vec![Burn], vec![Burn]),
+                (true, true) => (Timed, vec![Burn, Tiled], [vec![Burn, Tiled], coop].concat()),
             };
             assert_eq!(LinearKernel::candidates(&gpu, DType::F32), f32s);
             assert_eq!(LinearKernel::candidates(&gpu, DType::F16), f16s);
@@ -1635,6 +1792,7 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
         for (tiling, subgroups) in [
             (CoopTiling::Narrow, &[16, 32, 64][..]),
             (CoopTiling::Wide, &[32][..]),
+            (CoopTiling::Direct, &[32][..]),
         ] {
             let coop = LinearShader::Coop(tiling);
             for &subgroup in subgroups {
@@ -1647,7 +1805,7 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
                 );
                 assert_eq!(layout.subgroups * subgroup, layout.workgroup);
                 assert!(down * across <= 16, "at most 16 matrices of sums");
-                let what = format!("linear_coop.wgsl ({tiling:?}, subgroup {subgroup})");
+                let what = format!("{} ({tiling:?}, subgroup {subgroup})", tiling.file_name());
                 let source = coop.render(Elem::F16, subgroup).unwrap();
                 validate_and_translate_to_spirv(&source, &what);
                 assert_eq!(coop.render(Elem::F32, subgroup), None);

@@ -351,7 +351,7 @@ mod tests {
 
     use super::*;
     use crate::device;
-    use crate::model::gemm::{CoopTiling, coop_for_tests};
+    use crate::model::gemm::coop_for_tests;
 
     /// The CPU backend and, where wgpu finds one, the GPU.
     fn devices() -> Vec<RuntimeDevice> {
@@ -439,15 +439,12 @@ mod tests {
     }
 
     /// The kernels to time on `on` in `dtype`: [`ALL`], and in f16 each coop kernel the device
-    /// runs (under `MMLORA_EXPECT_COOP=1` a GPU that does not run both fails the test).
+    /// runs (under `MMLORA_EXPECT_COOP=1` a GPU that does not run them all fails the test).
     fn timed_here(on: &RuntimeDevice, dtype: DType) -> &'static [LinearKernel] {
         let mut kernels = ALL.to_vec();
         if on.wgpu.is_some() && dtype == DType::F16 {
-            for (tiling, kernel) in [
-                (CoopTiling::Narrow, LinearKernel::Coop),
-                (CoopTiling::Wide, LinearKernel::CoopWide),
-            ] {
-                if coop_for_tests(on, tiling).is_some() {
+            for kernel in LinearKernel::COOP {
+                if coop_for_tests(on, kernel.coop_tiling().unwrap()).is_some() {
                     kernels.push(kernel);
                 }
             }
