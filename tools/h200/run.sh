@@ -148,7 +148,8 @@ step scale 150 "$bin/mmlora" bench --device gpu --json --scale "${shape[@]}" \
 # auto's timing per shape, on sizes up to 4 GiB, each pick checked first.
 step linear-choice-tests 90 env MMLORA_EXPECT_COOP=$expect_coop \
     "$bin/lib" model::linear_choice --nocapture
-# Each linear alone in every kernel and precision (criterion; FLOP/s): 6 shapes, each in 2 kernels in f32 and 5 in f16.
+# Each linear alone in every kernel and precision (criterion; FLOP/s): 6 shapes, each in 2
+# kernels in f32 and 5 in f16.
 step linears-alone 120 env MMLORA_BENCH_ROWS=$linear_rows "$bin/linear_bench" --bench \
     --warm-up-time 0.5 --measurement-time 1
 # The op with the shrink shader built for software GPUs (compare with the bench step's op lines).
