@@ -11,8 +11,8 @@
 //
 // At the end each subgroup stores one of its matrices at a time into its own 16 × 16 staging
 // area, and the whole workgroup adds the bias and writes every subgroup's staged matrix to y
-// (linear_coop_store.wgsl). Every barrier and every cooperative operation is reached by every thread: the control flow
-// around them depends on uniform values alone.
+// (linear_coop_store.wgsl). Every barrier and every cooperative operation is reached by every
+// thread: the control flow around them depends on uniform values alone.
 //
 // Both slices are held in workgroup memory as vec4s of f16, as they are read: a thread stores
 // each vec4 it loaded in one access, and the cooperative loads read vec4s too, their strides

@@ -340,10 +340,7 @@ impl LinearKernel {
     /// The tiling of a cooperative-matrix kernel (`coop`, `coop-wide`, `coop-direct`); `None`
     /// for the others.
     pub fn coop_tiling(self) -> Option<CoopTiling> {
-        match self.shader() {
-            Some(LinearShader::Coop(tiling)) => Some(tiling),
-            _ => None,
-        }
+        self.shader().and_then(LinearShader::coop_tiling)
     }
 
     /// [`coop_subgroup`] of a cooperative-matrix kernel's tiling on `device`: the subgroup size
