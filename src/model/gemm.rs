@@ -92,6 +92,10 @@ pub const COOP_COLUMNS: u32 = 128;
 /// 16-wide matrix.
 pub const COOP_DEPTH: u32 = 32;
 
+/// The file under `shaders/` that both coop kernels' sources paste in where they say
+/// `store_staged` ([`coop_template`]): their end, checked as part of each.
+pub const COOP_STORE_FILE_NAME: &str = "linear_coop_store.wgsl";
+
 /// The side of one cooperative matrix of the coop kernels (16 × 16 × 16 products).
 const MATRIX: u32 = 16;
 
@@ -466,11 +470,12 @@ impl Capacity {
 
 impl LinearShader {
     /// Every kernel, for tests that check them all.
-    pub const ALL: [LinearShader; 4] = [
+    pub const ALL: [LinearShader; 5] = [
         LinearShader::Registers,
         LinearShader::Tiled,
         LinearShader::Coop(CoopTiling::Narrow),
         LinearShader::Coop(CoopTiling::Wide),
+        LinearShader::Coop(CoopTiling::Direct),
     ];
 
     /// The shader's file name under `shaders/`.

@@ -425,7 +425,7 @@ mod tests {
     use super::*;
     use crate::device;
     use crate::lora::meta::{KernelMeta, NO_SLOT};
-    use crate::model::gemm::LinearShader;
+    use crate::model::gemm::{self, LinearShader};
     use crate::model::{fused_attention, fused_norm, fused_rotary};
     use crate::wgsl::validate_and_translate;
     use proptest::prelude::*;
@@ -607,6 +607,7 @@ mod tests {
             assert!(
                 LoraShader::ALL.iter().any(|s| s.file_name() == file)
                     || LinearShader::ALL.iter().any(|s| s.file_name() == file)
+                    || file == gemm::COOP_STORE_FILE_NAME
                     || file == fused_attention::FILE_NAME
                     || file == fused_norm::SHADER.file_name
                     || file == fused_rotary::SHADER.file_name,
