@@ -1,6 +1,7 @@
 // Linear on cooperative matrices (tensor cores) loaded straight from x and weight_t, f16 in and
 // out, f32 sums:
 //     y[row, col] = sum_k x[row, k] * weight_t[k, col] + bias[col]
+//     (+ the row's LoRA delta where linear_lora.wgsl is pasted in)
 //
 // linear_coop.wgsl without workgroup memory in its k loop, and so without barriers there: one
 // workgroup per block of TILE_ROWS × TILE_COLUMNS outputs, one cell of CELL_ROWS × CELL_COLUMNS
@@ -28,8 +29,14 @@ struct Params {
     in_features: u32,
     out_features: u32,
     first_row: u32, // of this launch: one launch has at most 65535 blocks of rows
+    lora_rank: u32, // read by the LoRA epilogue alone
 }
-@group(0) @binding(4) var<uniform> params: Params;
+@group(0) @binding({{ params_binding }}) var<uniform> params: Params;
+
+// Each row's LoRA delta (linear_lora.wgsl), or none.
+{{ lora }}
+
+alias ELEM = {{ elem }}; // f16
 
 const WORKGROUP: u32 = {{ workgroup }}u;
 const SUBGROUPS: u32 = {{ subgroups }}u; // WORKGROUP / the device's one subgroup size

@@ -1,15 +1,17 @@
 // The end of both cooperative-matrix linears, linear_coop.wgsl and linear_coop_direct.wgsl,
-// pasted into each where it says `store_staged`: each subgroup stores one of its matrices of sums at a time into its
-// own 16 × 16 staging area, and the whole workgroup adds the bias and writes every subgroup's
-// staged matrix to y as f16. Each kernel defines `matrix_row` and `matrix_column4`: where the
-// matrix it summed for a place of its block starts (the place itself, or moved back to end at
-// the last row or column); the values it holds before that place are another matrix's.
+// pasted into each where it says `store_staged`: each subgroup stores one of its matrices of
+// sums at a time into its own 16 × 16 staging area, and the whole workgroup adds the bias (and
+// each row's LoRA delta) and writes every subgroup's staged matrix to y as f16. Each kernel
+// defines `matrix_row` and `matrix_column4`: where the matrix it summed for a place of its block
+// starts (the place itself, or moved back to end at the last row or column); the values it holds
+// before that place are another matrix's.
 
 // One 16 × 16 matrix of sums per subgroup, row by row, on its way to y.
 var<workgroup> staged: array<f32, SUBGROUPS * 256u>;
 
-// Writes every subgroup's staged matrix, plus the bias, to y where the row and column exist:
-// the one at rows `tile_row` and columns `tile_column` of each subgroup's cell.
+// Writes every subgroup's staged matrix, plus the bias and each row's LoRA delta, to y where
+// the row and column exist: the one at rows `tile_row` and columns `tile_column` of each
+// subgroup's cell.
 fn store_staged(row0: u32, column0_4: u32, tile_row: u32, tile_column: u32, lid: u32, out4: u32) {
     for (var e = lid; e < SUBGROUPS * 64u; e += WORKGROUP) {
         let cell = e / 64u;
@@ -23,7 +25,8 @@ fn store_staged(row0: u32, column0_4: u32, tile_row: u32, tile_column: u32, lid:
         if (ours && row < params.rows && column4 < out4) {
             let at = cell * 256u + r * 16u + c4 * 4u;
             let sums = vec4<f32>(staged[at], staged[at + 1u], staged[at + 2u], staged[at + 3u]);
-            y[row * out4 + column4] = vec4<f16>(sums + vec4<f32>(bias[column4]));
+            let delta = lora_delta(row, column4, out4);
+            y[row * out4 + column4] = vec4<f16>(sums + vec4<f32>(bias[column4]) + delta);
         }
     }
 }

@@ -1,4 +1,5 @@
 // Linear, tiled for hardware GPUs: y[row, col] = sum_k x[row, k] * weight_t[k, col] + bias[col]
+//     (+ the row's LoRA delta where linear_lora.wgsl is pasted in)
 //
 // One workgroup per block of TILE_ROWS rows and TILE_COLUMNS columns (TILE_COLUMNS4 vec4s). The
 // k loop walks DEPTH columns of x (rows of weight_t) at a time: the workgroup copies that slice
@@ -27,8 +28,12 @@ struct Params {
     in_features: u32,
     out_features: u32,
     first_row: u32, // of this launch: one launch has at most 65535 blocks of rows
+    lora_rank: u32, // read by the LoRA epilogue alone
 }
-@group(0) @binding(4) var<uniform> params: Params;
+@group(0) @binding({{ params_binding }}) var<uniform> params: Params;
+
+// Each row's LoRA delta (linear_lora.wgsl), or none.
+{{ lora }}
 
 alias ELEM = {{ elem }};
 
@@ -72,10 +77,11 @@ fn load_w(column0: u32, k0: u32, lid: u32, out4: u32) -> vec4<f32> {
     return select(vec4<f32>(), vec4<f32>(weight_t[at]), k < params.in_features);
 }
 
-// Stores row `row` of a cell, plus the bias, where the row and column exist.
+// Stores row `row` of a cell, plus the bias and the row's LoRA delta, where the row and column exist.
 fn store(row: u32, column: u32, out4: u32, sums: vec4<f32>) {
     if (row < params.rows && column < out4) {
-        y[row * out4 + column] = vec4<ELEM>(sums + vec4<f32>(bias[column]));
+        let delta = lora_delta(row, column, out4);
+        y[row * out4 + column] = vec4<ELEM>(sums + vec4<f32>(bias[column]) + delta);
     }
 }
 

@@ -503,6 +503,11 @@ fn bench_prints_one_json_object_per_configuration() {
         "narrow_lora_back_to_back_ms",
         "lora_back_to_back_overhead",
         "narrow_lora_back_to_back_overhead",
+        "fused",
+        "fused_ms",
+        "fused_overhead",
+        "fused_back_to_back_ms",
+        "fused_back_to_back_overhead",
     ] {
         assert!(!ops[0][field].is_null(), "{field} missing in {}", ops[0]);
     }

@@ -107,7 +107,8 @@ fn a_mixed_batch_from_image_files_matches_peft_on_cpu() {
 }
 
 /// With the default linears, attention and LoRA kernels, with the linears timed per shape,
-/// with each attention kernel, and with the wide LoRA kernels.
+/// with each attention kernel, with the wide LoRA kernels, and with the tiled linears, which
+/// take the LoRA op fused into their products where the stacked rank is a multiple of 4.
 #[test]
 fn a_mixed_batch_from_image_files_matches_peft_on_wgpu() {
     let Some(gpu) = device::gpu_for_tests() else {
@@ -138,6 +139,11 @@ fn a_mixed_batch_from_image_files_matches_peft_on_wgpu() {
             LinearKernel::Auto,
             AttentionKernel::Auto,
             ShrinkKernel::Wide,
+        ),
+        (
+            LinearKernel::Tiled,
+            AttentionKernel::Auto,
+            ShrinkKernel::Split,
         ),
     ] {
         let options = EngineOptions {

@@ -3,9 +3,12 @@
 //! gather-and-batched-matmul (each row's A and B gathered, two batched matmuls), at a preset's
 //! `attn.qkv` shape with the rows cycling through the adapters. Beside them, the base plus the
 //! op onto its first [`NARROW_COLUMNS`] output columns alone: the whole shrink with next to no
-//! expand, which tells the op's two launches apart.
+//! expand, which tells the op's two launches apart; and the op fused into the base linear
+//! ([`linear_lora`]: the shrink, then the linear kernel adding each row's delta as it stores
+//! it), as the engine runs it where the base linear's kernel is one of ours.
 //!
-//! Each is timed as one call between device syncs, and the base, the op and the narrow op also
+//! Each is timed as one call between device syncs, and the base, the op, the fused op and the
+//! narrow op also
 //! [`back_to_back`]: [`BACK_TO_BACK_CALLS`] calls between two syncs, as a forward pass runs its
 //! layers. On a hardware GPU a sync costs more than a small linear (about 0.37 ms on the H200,
 //! against about 0.1 ms for 256 rows of `attn.qkv`), so only the back-to-back times say what the
@@ -19,7 +22,7 @@ use serde::Serialize;
 
 use crate::device::{Precision, RuntimeDevice};
 use crate::lora::meta::KernelMeta;
-use crate::lora::ops::{LoraBatch, LoraSlice, ShrinkKernel, choice, lora_apply};
+use crate::lora::ops::{LoraBatch, LoraSlice, ShrinkKernel, choice, linear_lora, lora_apply};
 use crate::model::gemm::LinearKernel;
 use crate::model::linear_choice::LinearChoice;
 use crate::model::qwen2_vl::{DEFAULT_BUFFER_LIMIT, VisionConfig};
@@ -169,6 +172,29 @@ impl OpInputs {
         self.apply(base, &self.narrow_slice)
     }
 
+    /// The base linear with each row's LoRA delta as the engine computes it: fused into the
+    /// base linear's kernel where that is one of ours ([`linear_lora`]), else the base then the
+    /// op. Whether it was fused.
+    pub fn fused(&self) -> (Tensor<2>, bool) {
+        let kernel = self
+            .linear
+            .kernel(&self.x, &self.weight_t, Some(&self.bias));
+        let fused = kernel.shader().and_then(|shader| {
+            linear_lora(
+                self.x.clone(),
+                &self.weight_t,
+                &self.bias,
+                &self.slice,
+                &self.batch,
+                shader,
+            )
+        });
+        match fused {
+            Some(y) => (y.expect("inputs built for the op"), true),
+            None => (self.lora(self.base()), false),
+        }
+    }
+
     fn apply(&self, base: Tensor<2>, slice: &LoraSlice) -> Tensor<2> {
         lora_apply(
             self.x.clone(),
@@ -285,6 +311,13 @@ pub struct OpRecord {
     /// What the narrow op adds to the base linear, the same way: about the shrink's share of
     /// [`OpRecord::lora_overhead`].
     pub narrow_lora_overhead: f64,
+    /// Whether the base linear's kernel took the op fused ([`linear_lora`]); where not, the
+    /// fused timings are the base and the op again.
+    pub fused: bool,
+    /// The base linear with the op fused into it, median ms.
+    pub fused_ms: f64,
+    /// What the fused op adds to the base linear, as [`OpRecord::lora_overhead`].
+    pub fused_overhead: f64,
     /// Calls between two syncs in the back-to-back timings ([`BACK_TO_BACK_CALLS`]).
     pub back_to_back_calls: u32,
     /// The base linear, back to back: median ms per call.
@@ -297,26 +330,33 @@ pub struct OpRecord {
     pub lora_back_to_back_overhead: f64,
     /// What the narrow op adds to the base linear back to back.
     pub narrow_lora_back_to_back_overhead: f64,
+    /// The base linear with the op fused into it, back to back: median ms per call.
+    pub fused_back_to_back_ms: f64,
+    /// What the fused op adds to the base linear back to back.
+    pub fused_back_to_back_overhead: f64,
 }
 
-/// Times the base linear, base + op, base + naive and base + narrow op at `shape`, one call
-/// between syncs, and the base, base + op and base + narrow op back to back: one warm-up run
-/// each, then `repeats` rounds in turns; medians, and the overheads from each round's pair.
+/// Times the base linear, base + op, base + naive, base + narrow op and the fused op at `shape`,
+/// one call between syncs, and all but the naive back to back: one warm-up run each, then
+/// `repeats` rounds in turns; medians, and the overheads from each round's pair.
 pub fn run(shape: OpShape, on: &RuntimeDevice, repeats: usize) -> OpRecord {
     let inputs = OpInputs::new(shape, on);
     let base = || inputs.base();
     let lora = || inputs.lora(inputs.base());
     let naive = || inputs.naive(inputs.base());
     let narrow = || inputs.narrow_lora(inputs.base());
+    let fused = || inputs.fused().0;
     // Each variant and the calls it makes between two syncs.
-    let variants: [(&dyn Fn() -> Tensor<2>, u32); 7] = [
+    let variants: [(&dyn Fn() -> Tensor<2>, u32); 9] = [
         (&base, 1),
         (&lora, 1),
         (&naive, 1),
         (&narrow, 1),
+        (&fused, 1),
         (&base, BACK_TO_BACK_CALLS),
         (&lora, BACK_TO_BACK_CALLS),
         (&narrow, BACK_TO_BACK_CALLS),
+        (&fused, BACK_TO_BACK_CALLS),
     ];
     for (variant, _) in variants {
         timed(on, 1, variant);
@@ -325,8 +365,8 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, repeats: usize) -> OpRecord {
         let (variant, calls) = variants[i];
         Ok::<_, Infallible>(back_to_back(on, calls, variant).as_secs_f64() * 1e3)
     });
-    let [base, lora, naive, narrow] = [&times[0], &times[1], &times[2], &times[3]];
-    let [base_b2b, lora_b2b, narrow_b2b] = [&times[4], &times[5], &times[6]];
+    let [base, lora, naive, narrow, fused] = [0, 1, 2, 3, 4].map(|i| &times[i]);
+    let [base_b2b, lora_b2b, narrow_b2b, fused_b2b] = [5, 6, 7, 8].map(|i| &times[i]);
     OpRecord {
         kind: "op",
         device: on.kind().to_owned(),
@@ -346,12 +386,17 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, repeats: usize) -> OpRecord {
         lora_overhead: super::paired_ratio(lora, base) - 1.0,
         naive_overhead: super::paired_ratio(naive, base) - 1.0,
         narrow_lora_overhead: super::paired_ratio(narrow, base) - 1.0,
+        fused: inputs.fused().1,
+        fused_ms: super::median(fused),
+        fused_overhead: super::paired_ratio(fused, base) - 1.0,
         back_to_back_calls: BACK_TO_BACK_CALLS,
         base_back_to_back_ms: super::median(base_b2b),
         lora_back_to_back_ms: super::median(lora_b2b),
         narrow_lora_back_to_back_ms: super::median(narrow_b2b),
         lora_back_to_back_overhead: super::paired_ratio(lora_b2b, base_b2b) - 1.0,
         narrow_lora_back_to_back_overhead: super::paired_ratio(narrow_b2b, base_b2b) - 1.0,
+        fused_back_to_back_ms: super::median(fused_b2b),
+        fused_back_to_back_overhead: super::paired_ratio(fused_b2b, base_b2b) - 1.0,
     }
 }
 

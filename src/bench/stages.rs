@@ -220,7 +220,9 @@ fn flop(config: &VisionConfig, grids: &[[usize; 3]], rank: usize) -> BTreeMap<St
         flop.insert(stage, product(merged_rows, inp, out));
     }
     if rank > 0 {
-        // Shrink to the rank and expand back, each row through its own adapter.
+        // Shrink to the rank and expand back, each row through its own adapter. A layer whose
+        // kernel runs the op fused into its product marks it as its own stage, not this one:
+        // where some did (fewer `lora_op` marks than linears), this rate overstates the op's.
         let r = rank as f64;
         let tower: f64 = tower_linears
             .iter()

@@ -237,11 +237,12 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
             "\nLoRA op alone at attn.qkv ({mixed} adapters mixed): median ms, and what it adds to the base linear"
         );
         println!(
-            "(then back to back, {} calls between syncs: the base's ms per call and what the op adds)",
+            "(then back to back, {} calls between syncs: the base's ms per call and what the op adds, \
+             and the op fused into the base linear where its kernel is one of ours)",
             bench::op::BACK_TO_BACK_CALLS
         );
         println!(
-            "{:>6} {:>5} {:>9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9}",
+            "{:>6} {:>5} {:>9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
             "rows",
             "rank",
             "shrink",
@@ -254,7 +255,8 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
             "op[:4]",
             "b2b base",
             "b2b op",
-            "b2b [:4]"
+            "b2b [:4]",
+            "b2b fused"
         );
     }
     for &rank in &spec.ranks {
@@ -275,7 +277,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                     println!("{}", json_line(&op));
                 } else {
                     println!(
-                        "{:>6} {:>5} {:>9} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>+8.1}% {:>+8.1}% {:>+8.1}% {:>10.3} {:>+8.1}% {:>+8.1}%",
+                        "{:>6} {:>5} {:>9} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>+8.1}% {:>+8.1}% {:>+8.1}% {:>10.3} {:>+8.1}% {:>+8.1}% {:>+8.1}%",
                         op.rows,
                         op.rank,
                         op.lora_shrink.as_deref().unwrap_or("native"),
@@ -288,7 +290,8 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                         op.narrow_lora_overhead * 100.0,
                         op.base_back_to_back_ms,
                         op.lora_back_to_back_overhead * 100.0,
-                        op.narrow_lora_back_to_back_overhead * 100.0
+                        op.narrow_lora_back_to_back_overhead * 100.0,
+                        op.fused_back_to_back_overhead * 100.0
                     );
                 }
             }

@@ -2,7 +2,7 @@
 
 use burn::tensor::{DType, Tensor};
 
-use super::ops::{LoraBatch, LoraOpError, LoraSlice, lora_apply};
+use super::ops::{LoraBatch, LoraOpError, LoraSlice, linear_lora, lora_apply};
 use crate::model::gemm::{LinearKernel, materialize};
 use crate::model::linear_choice::LinearChoice;
 
@@ -88,6 +88,16 @@ impl LoraLinear {
             None => weight.zeros_like(),
         };
         Tensor::cat(vec![weight, bias], 0)
+    }
+
+    /// `x·Wᵀ + b` with each row's adapter delta added in one pass over the output: where
+    /// adapters are installed and the kernel picked for the shape is one of ours with a LoRA
+    /// epilogue that takes the product and the batch ([`linear_lora`]). `None` where not: the
+    /// caller runs [`Self::base`] and [`Self::add_lora`].
+    pub fn fused(&self, x: Tensor<2>, batch: &LoraBatch) -> Option<Result<Tensor<2>, LoraOpError>> {
+        let (slice, bias) = (self.lora.as_ref()?, self.bias.as_ref()?);
+        let kernel = self.kernel.kernel(&x, &self.weight_t, Some(bias));
+        linear_lora(x, &self.weight_t, bias, slice, batch, kernel.shader()?)
     }
 
     /// Whether adapter weights are installed.

@@ -32,7 +32,7 @@
 
 use burn::backend::TensorMetadata;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::wgpu::{CubeBackend, KernelSource, SourceTemplate};
+use burn::backend::wgpu::{CubeBackend, CubeTensor, KernelSource, SourceTemplate};
 use burn::backend::{Backend, Dispatch, Flex, backend_extension};
 use burn::tensor::wgpu::WgpuSetup;
 use burn::tensor::{DType, Shape, Tensor, TensorData};
@@ -93,11 +93,15 @@ pub const COOP_COLUMNS: u32 = 128;
 pub const COOP_DEPTH: u32 = 32;
 
 /// The file under `shaders/` that both coop kernels' sources paste in where they say
-/// `store_staged` ([`coop_template`]): their end, checked as part of each.
+/// `store_staged` (`coop_template`): their end, checked as part of each.
 pub const COOP_STORE_FILE_NAME: &str = "linear_coop_store.wgsl";
 
 /// The side of one cooperative matrix of the coop kernels (16 × 16 × 16 products).
 const MATRIX: u32 = 16;
+
+/// The LoRA epilogue our linear kernels paste in (`{{ lora }}`) where they add each row's
+/// adapter delta as they store it.
+pub const LORA_FILE_NAME: &str = "linear_lora.wgsl";
 
 /// Values each row of `linear_coop.wgsl`'s slices in workgroup memory is padded by: 16 bytes of
 /// f16, which keeps a matrix's rows off one bank and every cooperative load 16-byte aligned.
@@ -382,18 +386,9 @@ pub fn linear(
     bias: Option<&Tensor<1>>,
     kernel: LinearKernel,
 ) -> Tensor<2> {
-    let ours = kernel.shader().filter(|&shader| {
-        bias.is_some_and(|bias| {
-            let [weight_in, out_features] = weight_t.dims();
-            kernel_elem(
-                shader,
-                (x.dtype(), x.dims()),
-                (weight_t.dtype(), [weight_in, out_features]),
-                (bias.dtype(), bias.dims()[0]),
-            )
-            .is_some()
-        })
-    });
+    let ours = kernel
+        .shader()
+        .filter(|&shader| bias.is_some_and(|bias| takes(shader, &x, weight_t, bias)));
     match (bias, ours) {
         (Some(bias), Some(shader)) => {
             Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_wgsl(
@@ -410,6 +405,19 @@ pub fn linear(
         )),
         (None, _) => x.matmul(weight_t.clone()),
     }
+}
+
+/// Whether `shader` takes the product `x · weight_t + bias`: one dtype, f32 or f16 (f16 alone
+/// for the cooperative-matrix kernels), every width a multiple of 4, `in` not 0, and the shapes
+/// its tiling takes.
+pub fn takes(shader: LinearShader, x: &Tensor<2>, weight_t: &Tensor<2>, bias: &Tensor<1>) -> bool {
+    kernel_elem(
+        shader,
+        (x.dtype(), x.dims()),
+        (weight_t.dtype(), weight_t.dims()),
+        (bias.dtype(), bias.dims()[0]),
+    )
+    .is_some()
 }
 
 /// The element type `shader` reads a product's tensors as, where it takes them: `x` (dtype,
@@ -512,10 +520,22 @@ impl LinearShader {
     }
 
     /// The WGSL source for `elem` on a device whose subgroups have `subgroup` invocations
-    /// (read by `Coop` alone); `None` where the shader is not written for them (`Coop`: f16
-    /// alone, at the subgroup sizes its tiling lays out).
-    pub fn render(self, elem: Elem, subgroup: u32) -> Option<String> {
-        LinearSource::new(self, elem, subgroup).map(|source| source.source().complete())
+    /// (read by `Coop` alone), with the LoRA epilogue where `lora` says; `None` where the
+    /// shader is not written for them (`Coop`: f16 alone, at the subgroup sizes its tiling lays
+    /// out).
+    pub fn render(self, elem: Elem, subgroup: u32, lora: bool) -> Option<String> {
+        LinearSource::new(self, elem, subgroup)
+            .filter(|_| !lora || self.has_lora_epilogue())
+            .map(|source| LinearSource { lora, ..source }.source().complete())
+    }
+
+    /// Whether the shader can add each row's LoRA delta as it stores its product
+    /// (`shaders/linear_lora.wgsl`; `lora::ops::linear_lora`): all but `linear.wgsl`. Its
+    /// epilogue would load each row's `B` anew for every `vec4` it stores, and on llvmpipe,
+    /// which it is built for, each load is a loop over the SIMD lanes: fused there, the op
+    /// added 12.8 % to the 2B `attn.qkv` at 256 rows, against 2.1 % apart (BENCHMARKS.md).
+    pub fn has_lora_epilogue(self) -> bool {
+        !matches!(self, LinearShader::Registers)
     }
 
     /// The tiling of a cooperative-matrix shader (emulated or not); `None` for the others.
@@ -641,6 +661,14 @@ pub fn coop_subgroup(device: &RuntimeDevice, tiling: CoopTiling) -> Option<u32> 
         .then_some(capacity.subgroups[1])
 }
 
+/// Whether `gpu` runs `shader` (its workgroups, subgroups and workgroup memory, as wgpu reports
+/// them), for a test that must not pass on Burn's product in its place.
+#[cfg(test)]
+pub(crate) fn runs_for_tests(shader: LinearShader, gpu: &RuntimeDevice) -> bool {
+    let capacity = gpu.wgpu.as_ref().map(Capacity::of_wgpu);
+    capacity.is_some_and(|capacity| shader.runs_on(capacity))
+}
+
 /// [`coop_subgroup`] for a test on `gpu`: where it is `None`, says so on stderr (the caller
 /// skips its coop checks), or, under `MMLORA_EXPECT_COOP=1` (the H200 check), fails the test.
 #[cfg(test)]
@@ -749,75 +777,138 @@ impl LinearBackend for CubeBackend {
         bias: FloatTensor<Self>,
         shader: LinearShader,
     ) -> FloatTensor<Self> {
-        let [rows, in_features] = [x.meta.shape()[0], x.meta.shape()[1]];
-        let out_features = weight_t.meta.shape()[1];
-        let elem = kernel_elem(
-            shader,
-            (x.dtype, [rows, in_features]),
-            (weight_t.dtype, [weight_t.meta.shape()[0], out_features]),
-            (bias.dtype, bias.meta.shape()[0]),
-        );
-        let hardware = &x.client.properties().hardware;
-        let capacity = Capacity {
-            invocations: hardware.max_units_per_cube,
-            workgroup_bytes: u32::try_from(hardware.max_shared_memory_size).unwrap_or(u32::MAX),
-            subgroups: [hardware.plane_size_min, hardware.plane_size_max],
-        };
         // What the shader cannot take or the device cannot run is Burn's product: nothing
         // here panics or binds a buffer as another type.
-        let kernel = elem
-            .filter(|_| shader.runs_on(capacity))
-            .and_then(|elem| LinearSource::new(shader, elem, capacity.subgroups[1]));
-        let Some(kernel) = kernel else {
-            return Self::linear_native(x, weight_t, bias);
-        };
-        let x = into_contiguous(x);
-        let weight_t = into_contiguous(weight_t);
-        let bias = into_contiguous(bias);
-        let y = empty_device_contiguous_dtype(
-            x.client.clone(),
-            x.device.clone(),
-            [rows, out_features].into(),
-            x.dtype,
-        );
-        if rows == 0 || out_features == 0 {
-            return y;
+        match cube_source(shader, &x, &weight_t, &bias, false) {
+            Some(kernel) => launch_linear(kernel, x, weight_t, bias, None),
+            None => Self::linear_native(x, weight_t, bias),
         }
-        let (block_rows, block_columns4) = shader.block();
-        let column_blocks = (wgsl::param(out_features) / 4).div_ceil(block_columns4);
-        let row_blocks = wgsl::param(rows).div_ceil(block_rows);
-        // Row blocks beyond one dispatch's limit go in further launches, each on its own rows.
-        for (first_block, blocks) in wgsl::launches(row_blocks) {
-            let read = BufferIOAttr::ReadOnly;
-            wgsl::launch(
-                kernel,
-                shader.workgroup(),
-                (column_blocks, blocks),
-                &[
-                    (&x, read),
-                    (&weight_t, read),
-                    (&bias, read),
-                    (&y, BufferIOAttr::WriteOnly),
-                ],
-                &[
-                    wgsl::param(rows),
-                    wgsl::param(in_features),
-                    wgsl::param(out_features),
-                    first_block * block_rows,
-                ],
-            );
-        }
-        y
     }
 }
 
+/// `shader` for the tensors of a product on the wgpu backend, with the LoRA epilogue where
+/// `lora` says (`shaders/linear_lora.wgsl`): `None` where the shader does not take them
+/// ([`kernel_elem`]) or the device (as the tensors' cubecl client reports it) cannot run it.
+pub(crate) fn cube_source(
+    shader: LinearShader,
+    x: &CubeTensor,
+    weight_t: &CubeTensor,
+    bias: &CubeTensor,
+    lora: bool,
+) -> Option<LinearSource> {
+    let elem = kernel_elem(
+        shader,
+        (x.dtype, [x.meta.shape()[0], x.meta.shape()[1]]),
+        (
+            weight_t.dtype,
+            [weight_t.meta.shape()[0], weight_t.meta.shape()[1]],
+        ),
+        (bias.dtype, bias.meta.shape()[0]),
+    )?;
+    let hardware = &x.client.properties().hardware;
+    let capacity = Capacity {
+        invocations: hardware.max_units_per_cube,
+        workgroup_bytes: u32::try_from(hardware.max_shared_memory_size).unwrap_or(u32::MAX),
+        subgroups: [hardware.plane_size_min, hardware.plane_size_max],
+    };
+    let source = LinearSource::new(shader, elem, capacity.subgroups[1])?;
+    (shader.runs_on(capacity) && (!lora || shader.has_lora_epilogue()))
+        .then_some(LinearSource { lora, ..source })
+}
+
+/// What the LoRA epilogue of a linear kernel reads (`shaders/linear_lora.wgsl`): the shrink's
+/// f32 output `[rows, rank]`, the adapters' `B` `[slots, out, rank]` in the product's dtype and
+/// each row's slot `[rows]` (−1: none); `rank` a multiple of 4.
+pub(crate) struct LoraEpilogue<'a> {
+    /// `x · A[slot]ᵀ` of each adapter row.
+    pub shrunk: &'a CubeTensor,
+    /// The stacked `B`, the scale folded in.
+    pub lora_b: &'a CubeTensor,
+    /// Each row's slot.
+    pub row_slots: &'a CubeTensor,
+    /// The adapters' rank (the stack's, zero-padded).
+    pub rank: usize,
+}
+
+/// Runs `kernel` ([`cube_source`]) on `x · weight_t + bias`, adding each row's LoRA delta as it
+/// stores the row where `lora` is given (and `kernel` was made for it).
+pub(crate) fn launch_linear(
+    kernel: LinearSource,
+    x: CubeTensor,
+    weight_t: CubeTensor,
+    bias: CubeTensor,
+    lora: Option<LoraEpilogue>,
+) -> CubeTensor {
+    assert_eq!(
+        kernel.lora,
+        lora.is_some(),
+        "the epilogue the kernel was made for"
+    );
+    let [rows, in_features] = [x.meta.shape()[0], x.meta.shape()[1]];
+    let out_features = weight_t.meta.shape()[1];
+    let x = into_contiguous(x);
+    let weight_t = into_contiguous(weight_t);
+    let bias = into_contiguous(bias);
+    let y = empty_device_contiguous_dtype(
+        x.client.clone(),
+        x.device.clone(),
+        [rows, out_features].into(),
+        x.dtype,
+    );
+    if rows == 0 || out_features == 0 {
+        return y;
+    }
+    let shader = kernel.shader;
+    let (block_rows, block_columns4) = shader.block();
+    let column_blocks = (wgsl::param(out_features) / 4).div_ceil(block_columns4);
+    let row_blocks = wgsl::param(rows).div_ceil(block_rows);
+    let read = BufferIOAttr::ReadOnly;
+    let mut buffers = vec![
+        (&x, read),
+        (&weight_t, read),
+        (&bias, read),
+        (&y, BufferIOAttr::WriteOnly),
+    ];
+    let rank = match &lora {
+        Some(lora) => {
+            buffers.extend([
+                (lora.shrunk, read),
+                (lora.lora_b, read),
+                (lora.row_slots, read),
+            ]);
+            wgsl::param(lora.rank)
+        }
+        None => 0,
+    };
+    // Row blocks beyond one dispatch's limit go in further launches, each on its own rows.
+    for (first_block, blocks) in wgsl::launches(row_blocks) {
+        wgsl::launch(
+            kernel,
+            shader.workgroup(),
+            (column_blocks, blocks),
+            &buffers,
+            &[
+                wgsl::param(rows),
+                wgsl::param(in_features),
+                wgsl::param(out_features),
+                first_block * block_rows,
+                rank,
+            ],
+        );
+    }
+    y
+}
+
 /// One of our linear shaders for one element type and subgroup size (read by `Coop` alone),
-/// made by [`LinearSource::new`] alone.
+/// with or without the LoRA epilogue, made by [`LinearSource::new`] (which leaves it out) alone.
 #[derive(Debug, Clone, Copy)]
-struct LinearSource {
+pub(crate) struct LinearSource {
     shader: LinearShader,
     elem: Elem,
     subgroup: u32,
+    /// Whether `shaders/linear_lora.wgsl` is pasted in: each row's LoRA delta added as it is
+    /// stored.
+    lora: bool,
 }
 
 impl LinearSource {
@@ -832,51 +923,69 @@ impl LinearSource {
             shader,
             elem,
             subgroup,
+            lora: false,
         })
     }
 }
 
 impl KernelSource for LinearSource {
     fn source(&self) -> SourceTemplate {
-        let template = match self.shader {
+        // The trailing uniform follows the buffers: four, and three more for the epilogue.
+        let (lora, params_binding) = match self.lora {
+            true => (include_str!("../../shaders/linear_lora.wgsl"), 7),
+            false => (NO_LORA, 4),
+        };
+        let shared = |template: SourceTemplate| {
+            template
+                .register("lora", lora)
+                .register("params_binding", params_binding.to_string())
+                .register("elem", self.elem.wgsl())
+                .register("enable", self.elem.enable())
+        };
+        match self.shader {
             LinearShader::Registers => {
                 let [setup, load_weights, accumulate, store] = unrolled();
-                SourceTemplate::new(include_str!("../../shaders/linear.wgsl"))
-                    .register("workgroup", WORKGROUP.to_string())
-                    .register("rows", ROWS.to_string())
-                    .register("columns", COLUMNS.to_string())
-                    .register("setup", setup)
-                    .register("load_weights", load_weights)
-                    .register("accumulate", accumulate)
-                    .register("store", store)
+                shared(SourceTemplate::new(include_str!(
+                    "../../shaders/linear.wgsl"
+                )))
+                .register("workgroup", WORKGROUP.to_string())
+                .register("rows", ROWS.to_string())
+                .register("columns", COLUMNS.to_string())
+                .register("setup", setup)
+                .register("load_weights", load_weights)
+                .register("accumulate", accumulate)
+                .register("store", store)
             }
-            LinearShader::Tiled => {
-                SourceTemplate::new(include_str!("../../shaders/linear_tiled.wgsl"))
-                    .register("workgroup", TILED_WORKGROUP.to_string())
-                    .register("tile_rows", TILED_ROWS.to_string())
-                    .register("tile_columns4", TILED_COLUMNS4.to_string())
-                    .register("depth", TILED_DEPTH.to_string())
-            }
-            LinearShader::Coop(tiling) => coop_template(tiling, self.subgroup),
+            LinearShader::Tiled => shared(SourceTemplate::new(include_str!(
+                "../../shaders/linear_tiled.wgsl"
+            )))
+            .register("workgroup", TILED_WORKGROUP.to_string())
+            .register("tile_rows", TILED_ROWS.to_string())
+            .register("tile_columns4", TILED_COLUMNS4.to_string())
+            .register("depth", TILED_DEPTH.to_string()),
+            LinearShader::Coop(tiling) => shared(coop_template(tiling, self.subgroup)),
+            // Emulated in the complete source: every placeholder filled first.
             #[cfg(test)]
             LinearShader::CoopEmulated(tiling) => SourceTemplate::new(tests::emulated_coop(
-                coop_template(tiling, tests::EMULATED_SUBGROUP).complete(),
+                shared(coop_template(tiling, tests::EMULATED_SUBGROUP)).complete(),
                 tiling,
             )),
-        };
-        template
-            .register("elem", self.elem.wgsl())
-            .register("enable", self.elem.enable())
+        }
     }
 
     fn id(&self) -> KernelId {
-        wgsl::kernel_id::<Self>((self.shader, self.elem, self.subgroup))
+        wgsl::kernel_id::<Self>((self.shader, self.elem, self.subgroup, self.lora))
     }
 
     fn lang(&self) -> &'static str {
         "wgsl"
     }
 }
+
+/// What a linear kernel without the LoRA epilogue has where it says `lora`: a delta of zero.
+const NO_LORA: &str = "fn lora_delta(row: u32, column4: u32, out4: u32) -> vec4<f32> {
+    return vec4<f32>();
+}";
 
 /// The statements `shaders/linear.wgsl` repeats for each of the [`ROWS`] rows and [`COLUMNS`]
 /// columns, written out with a variable each: `{{ setup }}`, `{{ load_weights }}`,
@@ -1779,9 +1888,12 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
     #[test]
     fn shaders_validate_and_translate_to_every_backend() {
         for shader in [LinearShader::Registers, LinearShader::Tiled] {
-            for elem in Elem::ALL {
-                let what = format!("{} ({elem:?})", shader.file_name());
-                validate_and_translate(&shader.render(elem, 0).unwrap(), &what);
+            for (elem, lora) in Elem::ALL.into_iter().flat_map(|e| [(e, false), (e, true)]) {
+                let what = format!("{} ({elem:?}, LoRA epilogue {lora})", shader.file_name());
+                match shader.render(elem, 0, lora) {
+                    Some(source) => validate_and_translate(&source, &what),
+                    None => assert!(lora && !shader.has_lora_epilogue(), "{what} renders"),
+                }
             }
         }
     }
@@ -1807,15 +1919,20 @@ fn emulated_store(m: array<f32, 8>, lid: u32, at: u32, stride: u32) {
                 );
                 assert_eq!(layout.subgroups * subgroup, layout.workgroup);
                 assert!(down * across <= 16, "at most 16 matrices of sums");
-                let what = format!("{} ({tiling:?}, subgroup {subgroup})", tiling.file_name());
-                let source = coop.render(Elem::F16, subgroup).unwrap();
-                validate_and_translate_to_spirv(&source, &what);
-                assert_eq!(coop.render(Elem::F32, subgroup), None);
+                for lora in [false, true] {
+                    let what = format!(
+                        "{} ({tiling:?}, subgroup {subgroup}, LoRA epilogue {lora})",
+                        tiling.file_name()
+                    );
+                    let source = coop.render(Elem::F16, subgroup, lora).unwrap();
+                    validate_and_translate_to_spirv(&source, &what);
+                }
+                assert_eq!(coop.render(Elem::F32, subgroup, false), None);
             }
             for subgroup in [8, 16, 32, 64, 128] {
                 if !subgroups.contains(&subgroup) {
                     assert_eq!(CoopLayout::new(tiling, subgroup), None);
-                    assert_eq!(coop.render(Elem::F16, subgroup), None);
+                    assert_eq!(coop.render(Elem::F16, subgroup, false), None);
                 }
             }
         }

@@ -139,11 +139,22 @@ impl LinearChoice {
         weight_t: &Tensor<2>,
         bias: Option<&Tensor<1>>,
     ) -> Tensor<2> {
-        let kernel = match *self {
-            LinearChoice::Fixed(kernel) => kernel,
-            LinearChoice::Timed(candidates) => pick(candidates, &x, weight_t, bias).0,
-        };
+        let kernel = self.kernel(&x, weight_t, bias);
         linear(x, weight_t, bias, kernel)
+    }
+
+    /// The kernel this choice picks for the product `x · weight_t (+ bias)`, timing the
+    /// candidates first if its shape is a new one.
+    pub fn kernel(
+        &self,
+        x: &Tensor<2>,
+        weight_t: &Tensor<2>,
+        bias: Option<&Tensor<1>>,
+    ) -> LinearKernel {
+        match *self {
+            LinearChoice::Fixed(kernel) => kernel,
+            LinearChoice::Timed(candidates) => pick(candidates, x, weight_t, bias).0,
+        }
     }
 }
 

@@ -170,7 +170,8 @@ keys = ["kind", "adapters", "rank", "rows", "precision", "linear_kernel", "lora_
         "median_ms", "img_per_s",
         "ratio_vs_base", "base_ms", "lora_ms", "naive_ms", "lora_overhead",
         "narrow_lora_ms", "narrow_lora_overhead", "base_back_to_back_ms",
-        "lora_back_to_back_overhead", "narrow_lora_back_to_back_overhead"]
+        "lora_back_to_back_overhead", "narrow_lora_back_to_back_overhead", "fused",
+        "fused_back_to_back_ms", "fused_back_to_back_overhead"]
 
 def step_lines(results, file_name):
     """The lines of a step's file in the archive, or None where the step left none."""

@@ -49,16 +49,18 @@ struct ShapeKey {
 static PICKS: LazyLock<Mutex<HashMap<ShapeKey, ShrinkKernel>>> = LazyLock::new(Mutex::default);
 
 /// The shrink kernel for this call's shape among [`CANDIDATES`], with the candidates' times
-/// when this call made them (`None`: the pick was kept from an earlier call). `x`, `base`,
-/// `slices` and `batch` are the op's checked inputs, with at least one adapter row.
+/// when this call made them (`None`: the pick was kept from an earlier call). `x`, an output of
+/// `out_total` columns, `slices` and `batch` are the op's checked inputs, with at least one
+/// adapter row. The candidates are timed as the unfused op, adding to an output of zeros (their
+/// time does not hang on its values), and the pick serves the fused op
+/// ([`linear_lora`](super::linear_lora)) too, whose shrink is the same launch.
 pub(super) fn pick(
     x: &Tensor<2>,
-    base: &Tensor<2>,
+    out_total: usize,
     slices: &[LoraSlice],
     batch: &LoraBatch,
 ) -> (ShrinkKernel, Option<Vec<Result<Duration, String>>>) {
-    let [_, in_features] = x.dims();
-    let [_, out_total] = base.dims();
+    let [rows, in_features] = x.dims();
     let tiles = batch.meta().tiles(TILE).count();
     let key = ShapeKey {
         device: x.device().as_dispatch().to_id(),
@@ -80,6 +82,7 @@ pub(super) fn pick(
         return (kernel, None);
     }
     let device = x.device();
+    let base = Tensor::<2>::zeros([rows, out_total], &device).cast(x.dtype());
     let times: Vec<Result<Duration, String>> = CANDIDATES
         .iter()
         .map(|&shrink| {
@@ -160,7 +163,7 @@ mod tests {
         let problem = problem(rows);
         let data = problem.data(gpu);
         let batch = LoraBatch::with_shrink(problem.meta(), gpu, ShrinkKernel::Timed);
-        pick(&data.x, &data.base, &data.slices, &batch)
+        pick(&data.x, problem.out_total(), &data.slices, &batch)
     }
 
     #[test]
@@ -180,7 +183,7 @@ mod tests {
         assert_eq!(pick_on(64, &gpu), (first, None));
     }
 
-    /// A base output past the device's buffer limit: its allocation fails, so does every
+    /// An output past the device's buffer limit: its allocation fails, so does every
     /// candidate's first run, and the call runs `split` and keeps nothing, so that the next
     /// call of the shape times again.
     #[test]
@@ -193,7 +196,6 @@ mod tests {
         let limit = usize::try_from(gpu.buffer_limit.unwrap()).unwrap();
         let out_total = (limit / (4 * rows) + 1).next_multiple_of(4);
         let x = Tensor::<2>::ones([rows, 4], d);
-        let base = Tensor::<2>::zeros([rows, out_total], d);
         let slices = [LoraSlice {
             a: Tensor::ones([1, 1, 4], d),
             b: Tensor::ones([1, 4, 1], d),
@@ -202,7 +204,7 @@ mod tests {
         let meta = KernelMeta::from_token_slots(vec![0; rows], 1).unwrap();
         let batch = LoraBatch::with_shrink(meta, &gpu, ShrinkKernel::Timed);
         for call in 0..2 {
-            let (kernel, times) = pick(&x, &base, &slices, &batch);
+            let (kernel, times) = pick(&x, out_total, &slices, &batch);
             assert_eq!(kernel, CANDIDATES[0], "call {call}");
             let times = times.expect("nothing kept, so each call times");
             assert!(times.iter().all(Result::is_err), "call {call}: {times:?}");

@@ -13,6 +13,11 @@
 //! Rows whose slot is [`NO_SLOT`](crate::lora::meta::NO_SLOT) keep `base` bit-for-bit. Callers
 //! use [`lora_apply`], which checks shapes, ranks, slots and row counts and returns a typed
 //! [`LoraOpError`] instead of a wrong answer.
+//!
+//! [`linear_lora`] is the op fused into the base product, for a layer whose product one of our
+//! linear kernels computes on a wgpu device: the shrink runs first, and the kernel adds each
+//! row's `shrunk · B[slot]ᵀ` to its sums as it stores the row (`shaders/linear_lora.wgsl`), which
+//! saves the expand's launch and its pass over the output.
 
 pub mod choice;
 pub mod native;
@@ -27,10 +32,11 @@ use burn::backend::{
     Dispatch, backend_extension,
     tensor::{FloatTensor, IntTensor},
 };
-use burn::tensor::{DType, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Shape, Tensor, TensorData};
 
 use super::meta::KernelMeta;
 use crate::device::RuntimeDevice;
+use crate::model::gemm::{self, LinearShader};
 
 /// The largest adapter rank the op accepts (vLLM's largest `max_lora_rank`).
 pub const MAX_RANK: usize = 512;
@@ -125,6 +131,26 @@ pub trait LoraBackend: burn::backend::Backend {
         plan: LoraPlan,
         out_offset: usize,
     ) -> FloatTensor<Self>;
+
+    /// `x · weight_t + bias` (as [`LinearBackend::linear_wgsl`](gemm::LinearBackend)) with
+    /// `x · A[slot]ᵀ · B[slot]ᵀ` added to every row whose slot (`row_slots`, `[rows]`) is not
+    /// −1: the shrink, then `shader` with its LoRA epilogue, where the device runs it; Burn's
+    /// product and [`LoraBackend::lora_apply`] where not. `lora_b` covers every output column.
+    /// Shapes and what the shader takes are checked by [`linear_lora`].
+    #[allow(clippy::too_many_arguments)]
+    #[fusion(dtype = x, shape = Shape::from([x[0], weight_t[1]]))]
+    fn linear_lora(
+        x: FloatTensor<Self>,
+        weight_t: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        lora_a: FloatTensor<Self>,
+        lora_b: FloatTensor<Self>,
+        sorted_tokens: IntTensor<Self>,
+        tiles: IntTensor<Self>,
+        row_slots: IntTensor<Self>,
+        plan: LoraPlan,
+        shader: LinearShader,
+    ) -> FloatTensor<Self>;
 }
 
 /// The kernel metadata of one forward call, uploaded once and shared by every LoRA layer the
@@ -134,6 +160,8 @@ pub struct LoraBatch {
     plan: LoraPlan,
     sorted_tokens: Tensor<1, Int>,
     tiles: Tensor<1, Int>,
+    /// Each row's slot, for the linear kernels' LoRA epilogue ([`linear_lora`]).
+    row_slots: Tensor<1, Int>,
 }
 
 impl LoraBatch {
@@ -157,6 +185,7 @@ impl LoraBatch {
         Self {
             sorted_tokens: upload(sorted),
             tiles: upload(tiles),
+            row_slots: upload(meta.token_slots().to_vec()),
             plan: LoraPlan {
                 meta: Arc::new(meta),
                 shrink: shrink.resolve(device),
@@ -179,6 +208,18 @@ impl LoraBatch {
         let mut batch = self.clone();
         batch.plan.shrink = shrink;
         batch
+    }
+
+    /// The batch with `Timed` resolved to the kernel [`choice`] picks for this shape (timing
+    /// the candidates if it is a new one): what the backend launches. `x`, an output of
+    /// `out_total` columns and `slices` are the op's checked inputs, with an adapter row.
+    fn resolved(&self, x: &Tensor<2>, out_total: usize, slices: &[LoraSlice]) -> Self {
+        match self.shrink() {
+            ShrinkKernel::Timed => {
+                self.with_plan_shrink(choice::pick(x, out_total, slices, self).0)
+            }
+            _ => self.clone(),
+        }
     }
 }
 
@@ -256,21 +297,67 @@ pub fn lora_apply(
     slices: &[LoraSlice],
     batch: &LoraBatch,
 ) -> Result<Tensor<2>, LoraOpError> {
+    let output = Output::of(&base);
     for slice in slices {
-        check(&x, &base, slice, batch)?;
+        check(&x, &output, slice, batch)?;
     }
     if batch.meta().no_lora() {
         return Ok(base);
     }
-    let timed;
-    let batch = match batch.shrink() {
-        ShrinkKernel::Timed => {
-            timed = batch.with_plan_shrink(choice::pick(&x, &base, slices, batch).0);
-            &timed
-        }
-        _ => batch,
+    let batch = batch.resolved(&x, output.dims[1], slices);
+    Ok(apply(x, base, slices, &batch))
+}
+
+/// `x · Wᵀ + b` (`weight_t` `[in, out]`) with each row's delta of `slice` added, computed by our
+/// linear kernel `shader` with its LoRA epilogue after the shrink ([`LoraBackend::linear_lora`]),
+/// where that fits: the shader has the epilogue ([`LinearShader::has_lora_epilogue`]) and takes
+/// the product ([`gemm::takes`]), `slice` covers every output column at a rank that is a
+/// multiple of 4, and some row has an adapter. `None` where it does not fit: the caller computes
+/// the product and [`lora_apply`] apart. Inputs the op cannot honour are its typed errors, as
+/// [`lora_apply`]'s.
+pub fn linear_lora(
+    x: Tensor<2>,
+    weight_t: &Tensor<2>,
+    bias: &Tensor<1>,
+    slice: &LoraSlice,
+    batch: &LoraBatch,
+    shader: LinearShader,
+) -> Option<Result<Tensor<2>, LoraOpError>> {
+    let [rows, _] = x.dims();
+    let [_, out_total] = weight_t.dims();
+    let output = Output {
+        name: "weight_t",
+        dims: [rows, out_total],
+        dtype: weight_t.dtype(),
+        device: weight_t.device(),
     };
-    Ok(apply(x, base, slices, batch))
+    if let Err(error) = check(&x, &output, slice, batch) {
+        return Some(Err(error));
+    }
+    let [_, out_features, rank] = slice.b.dims();
+    let fits = shader.has_lora_epilogue()
+        && gemm::takes(shader, &x, weight_t, bias)
+        && slice.offset == 0
+        && out_features == out_total
+        && rank.is_multiple_of(4)
+        && !batch.meta().no_lora();
+    if !fits {
+        return None;
+    }
+    let batch = batch.resolved(&x, out_total, std::slice::from_ref(slice));
+    let y = <Dispatch as LoraBackend>::linear_lora(
+        x.into_dispatch(),
+        weight_t.clone().into_dispatch(),
+        bias.clone().into_dispatch(),
+        slice.a.clone().into_dispatch(),
+        slice.b.clone().into_dispatch(),
+        batch.sorted_tokens.clone().into_dispatch(),
+        batch.tiles.clone().into_dispatch(),
+        batch.row_slots.clone().into_dispatch(),
+        batch.plan.clone(),
+        shader,
+    );
+    Some(Ok(Tensor::from_dispatch(y)))
 }
 
 /// [`lora_apply`] on checked inputs, with the batch's shrink kernel (resolved, not `Timed`).
@@ -292,16 +379,42 @@ fn apply(x: Tensor<2>, base: Tensor<2>, slices: &[LoraSlice], batch: &LoraBatch)
     y
 }
 
-/// Validates one slice against the input, the base output and the metadata.
+/// What [`check`] reads of the output the op adds to: the base output, or the product a fused
+/// kernel writes.
+#[derive(Debug, Clone)]
+struct Output {
+    /// The tensor errors name: `base`, or the fused product's `weight_t`.
+    name: &'static str,
+    /// `[rows, out_total]`.
+    dims: [usize; 2],
+    /// Its dtype, which must be `x`'s.
+    dtype: DType,
+    /// Its device, which must be `x`'s.
+    device: Device,
+}
+
+impl Output {
+    /// `base`'s.
+    fn of(base: &Tensor<2>) -> Self {
+        Output {
+            name: "base",
+            dims: base.dims(),
+            dtype: base.dtype(),
+            device: base.device(),
+        }
+    }
+}
+
+/// Validates one slice against the input, the output and the metadata.
 fn check(
     x: &Tensor<2>,
-    base: &Tensor<2>,
+    output: &Output,
     slice: &LoraSlice,
     batch: &LoraBatch,
 ) -> Result<(), LoraOpError> {
     let meta = batch.meta();
     let [rows, in_features] = x.dims();
-    let [base_rows, out_total] = base.dims();
+    let [base_rows, out_total] = output.dims;
     let [slots, rank, a_in] = slice.a.dims();
     let [b_slots, out, b_rank] = slice.b.dims();
     let shape = |tensor, actual: &[usize], expected: String| LoraOpError::Shape {
@@ -314,7 +427,7 @@ fn check(
         return Err(LoraOpError::DType { tensor: "x", dtype });
     }
     for (tensor, t) in [
-        ("base", base.dtype()),
+        (output.name, output.dtype),
         ("lora_a", slice.a.dtype()),
         ("lora_b", slice.b.dtype()),
     ] {
@@ -324,7 +437,7 @@ fn check(
     }
     let device = x.device();
     for (tensor, other) in [
-        ("base", base.device()),
+        (output.name, output.device.clone()),
         ("lora_a", slice.a.device()),
         ("lora_b", slice.b.device()),
         ("batch", batch.sorted_tokens.device()),
@@ -334,7 +447,7 @@ fn check(
         }
     }
     if base_rows != rows {
-        return Err(shape("base", &base.dims(), format!("[{rows}, _]")));
+        return Err(shape(output.name, &output.dims, format!("[{rows}, _]")));
     }
     if a_in != in_features {
         return Err(shape(

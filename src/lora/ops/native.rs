@@ -23,6 +23,7 @@ use rayon::prelude::*;
 use std::ops::Range;
 
 use super::{LoraBackend, LoraPlan};
+use crate::model::gemm::{LinearBackend, LinearShader};
 
 /// Runs shorter than this are gathered with the slot's other short runs.
 pub const MIN_RUN: usize = 16;
@@ -55,6 +56,24 @@ impl LoraBackend for Flex {
             out_offset,
         );
         cast::<2>(y, DType::F16)
+    }
+
+    /// Flex's product ([`LinearBackend::linear_native`]), then [`LoraBackend::lora_apply`]:
+    /// its expand adds into the product in place, so there is no pass over the output to save.
+    fn linear_lora(
+        x: FloatTensor<Self>,
+        weight_t: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        lora_a: FloatTensor<Self>,
+        lora_b: FloatTensor<Self>,
+        sorted_tokens: IntTensor<Self>,
+        tiles: IntTensor<Self>,
+        _row_slots: IntTensor<Self>,
+        plan: LoraPlan,
+        _shader: LinearShader,
+    ) -> FloatTensor<Self> {
+        let base = Self::linear_native(x.clone(), weight_t, bias);
+        Self::lora_apply(x, base, lora_a, lora_b, sorted_tokens, tiles, plan, 0)
     }
 }
 

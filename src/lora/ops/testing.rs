@@ -12,10 +12,10 @@ use crate::lora::meta::{KernelMeta, NO_SLOT};
 pub const WIDTHS: [usize; 7] = [37, 64, 96, 1176, 1280, 3840, 5120];
 
 /// Unit roundoff of f32.
-const U: f64 = f32::EPSILON as f64 / 2.0;
+pub const U: f64 = f32::EPSILON as f64 / 2.0;
 
 /// Unit roundoff of f16 (11 significant bits).
-const U16: f64 = 1.0 / 2048.0;
+pub const U16: f64 = 1.0 / 2048.0;
 
 /// The shape of one LoRA problem.
 #[derive(Debug, Clone)]

@@ -3,7 +3,9 @@
 //! Two launches per slice. Shrink writes `x · A[slot]ᵀ` for every adapter row into a
 //! `[rows, rank]` scratch tensor; expand adds `scratch · B[slot]ᵀ` into the output's slice
 //! columns. Both walk the [tiles](crate::lora::meta::KernelMeta::tiles) of the slot-sorted rows,
-//! so a workgroup always serves one slot and the cost stays flat as adapters mix.
+//! so a workgroup always serves one slot and the cost stays flat as adapters mix. Fused into the
+//! base product ([`LoraBackend::linear_lora`]), the expand is the linear kernel's epilogue
+//! instead (`shaders/linear_lora.wgsl`, launched by `gemm::launch_linear`).
 //!
 //! Shrink has two shaders, picked by the batch's [`ShrinkKernel`]: `lora_shrink.wgsl` (64
 //! threads per tile, or 256 for `wide`; for hardware GPUs) and `lora_shrink_registers.wgsl` (8
@@ -26,6 +28,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 use super::{LoraBackend, LoraPlan, ShrinkKernel, TILE, TILE_ROWS};
+use crate::model::gemm::{self, LinearBackend, LinearShader, LoraEpilogue};
 use crate::wgsl::{self, Elem};
 
 /// Invocations per workgroup of `lora_shrink.wgsl` and the expand shaders (`{{ workgroup }}`);
@@ -350,13 +353,7 @@ impl LoraBackend for CubeBackend {
         plan: LoraPlan,
         out_offset: usize,
     ) -> FloatTensor<Self> {
-        debug_assert_ne!(
-            plan.shrink,
-            ShrinkKernel::Timed,
-            "lora_apply resolves `timed` first"
-        );
         let x = into_contiguous(x);
-        let a = into_contiguous(lora_a);
         let b = into_contiguous(lora_b);
         let sorted_tokens = into_contiguous(sorted_tokens);
         let tiles = into_contiguous(tiles);
@@ -368,34 +365,16 @@ impl LoraBackend for CubeBackend {
             output.copy()
         };
 
-        let rows = x.meta.shape()[0];
-        let in_features = x.meta.shape()[1];
         let out_total = output.meta.shape()[1];
         let [_, out_features, rank] = [b.meta.shape()[0], b.meta.shape()[1], b.meta.shape()[2]];
         let n_tiles = plan.meta.tiles(TILE).count();
-        let rank_tile = rank_tile(rank);
         let elem = Elem::of(x.dtype);
-        let shrink = LoraShader::shrink(plan.shrink, in_features);
         let expand = LoraShader::expand(rank, out_features, out_total, out_offset);
-
-        let shrunk = empty_device_contiguous_dtype(
-            x.client.clone(),
-            x.device.clone(),
-            [rows, rank].into(),
-            DType::F32,
-        );
-        let threads = tile_threads(plan.shrink);
+        let shrunk = shrink(&x, lora_a, &sorted_tokens, &tiles, &plan);
+        let kernel = LoraKernel::new(expand, rank_tile(rank), elem, tile_threads(plan.shrink));
         for (tile_base, tiles_here) in wgsl::launches(n_tiles as u32) {
-            let kernel = |shader| LoraKernel::new(shader, rank_tile, elem, threads);
             launch(
-                kernel(shrink),
-                (tiles_here, (rank as u32).div_ceil(rank_tile)),
-                [&x, &a, &sorted_tokens, &tiles, &shrunk],
-                BufferIOAttr::WriteOnly,
-                &[wgsl::param(in_features), wgsl::param(rank), tile_base],
-            );
-            launch(
-                kernel(expand),
+                kernel,
                 (
                     tiles_here,
                     (out_features as u32).div_ceil(expand.columns() * WORKGROUP),
@@ -414,20 +393,101 @@ impl LoraBackend for CubeBackend {
         }
         output
     }
+
+    fn linear_lora(
+        x: FloatTensor<Self>,
+        weight_t: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        lora_a: FloatTensor<Self>,
+        lora_b: FloatTensor<Self>,
+        sorted_tokens: IntTensor<Self>,
+        tiles: IntTensor<Self>,
+        row_slots: IntTensor<Self>,
+        plan: LoraPlan,
+        shader: LinearShader,
+    ) -> FloatTensor<Self> {
+        let Some(kernel) = gemm::cube_source(shader, &x, &weight_t, &bias, true) else {
+            let base = Self::linear_native(x.clone(), weight_t, bias);
+            return Self::lora_apply(x, base, lora_a, lora_b, sorted_tokens, tiles, plan, 0);
+        };
+        let x = into_contiguous(x);
+        let shrunk = shrink(
+            &x,
+            lora_a,
+            &into_contiguous(sorted_tokens),
+            &into_contiguous(tiles),
+            &plan,
+        );
+        let lora_b = into_contiguous(lora_b);
+        let epilogue = LoraEpilogue {
+            shrunk: &shrunk,
+            rank: lora_b.meta.shape()[2],
+            lora_b: &lora_b,
+            row_slots: &into_contiguous(row_slots),
+        };
+        gemm::launch_linear(kernel, x, weight_t, bias, Some(epilogue))
+    }
+}
+
+/// The shrink, `x · A[slot]ᵀ` for every adapter row, into a new `[rows, rank]` f32 tensor (rows
+/// without an adapter left unwritten), with the batch's shrink kernel (resolved, not `Timed`).
+fn shrink(
+    x: &CubeTensor,
+    lora_a: CubeTensor,
+    sorted_tokens: &CubeTensor,
+    tiles: &CubeTensor,
+    plan: &LoraPlan,
+) -> CubeTensor {
+    debug_assert_ne!(
+        plan.shrink,
+        ShrinkKernel::Timed,
+        "the op resolves `timed` first"
+    );
+    let a = into_contiguous(lora_a);
+    let [rows, in_features] = [x.meta.shape()[0], x.meta.shape()[1]];
+    let rank = a.meta.shape()[1];
+    let shrunk = empty_device_contiguous_dtype(
+        x.client.clone(),
+        x.device.clone(),
+        [rows, rank].into(),
+        DType::F32,
+    );
+    let rank_tile = rank_tile(rank);
+    let kernel = LoraKernel::new(
+        LoraShader::shrink(plan.shrink, in_features),
+        rank_tile,
+        Elem::of(x.dtype),
+        tile_threads(plan.shrink),
+    );
+    let n_tiles = plan.meta.tiles(TILE).count();
+    for (tile_base, tiles_here) in wgsl::launches(n_tiles as u32) {
+        launch(
+            kernel,
+            (tiles_here, (rank as u32).div_ceil(rank_tile)),
+            [x, &a, sorted_tokens, tiles, &shrunk],
+            BufferIOAttr::WriteOnly,
+            &[wgsl::param(in_features), wgsl::param(rank), tile_base],
+        );
+    }
+    shrunk
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::ProblemData;
     use super::super::testing::{
-        Problem, Reference, assert_matches, check_f16, problems, reference, shrink_kernels, to_f64,
+        Problem, Reference, U, U16, assert_matches, check_f16, problems, reference, shrink_kernels,
+        to_f64,
     };
-    use super::super::{LoraBatch, lora_apply};
+    use super::super::{LoraBatch, LoraOpError, linear_lora, lora_apply};
     use super::*;
     use crate::device;
     use crate::lora::meta::{KernelMeta, NO_SLOT};
-    use crate::model::gemm::{self, LinearShader};
+    use crate::model::gemm::{self, CoopTiling, LinearShader};
     use crate::model::{fused_attention, fused_norm, fused_rotary};
     use crate::wgsl::validate_and_translate;
+    use burn::backend::Dispatch;
+    use burn::tensor::{Distribution, Tensor, s};
     use proptest::prelude::*;
 
     /// WGSL with `shrink` against the native op and against float64 on the same random tensors.
@@ -596,6 +656,205 @@ mod tests {
 
     /// Every shader parses and validates with naga, in every specialisation the runtime uses,
     /// and translates to SPIR-V, MSL and HLSL; no file under `shaders/` goes unchecked.
+    /// A layer for [`linear_lora`]: `x` `[rows, in]`, `Wᵀ` `[in, out]`, `b` and one slice of
+    /// `slots` adapters of `rank` covering every output column, uniform in ±1 and rounded to
+    /// `dtype`, on the CPU in f32.
+    fn fused_layer(
+        [rows, in_features, out_features]: [usize; 3],
+        (slots, rank): (usize, usize),
+        dtype: DType,
+    ) -> (Problem, ProblemData, Tensor<2>, Tensor<1>) {
+        let cpu = device::cpu();
+        let uniform = Distribution::Uniform(-1.0, 1.0);
+        // Rows without an adapter, runs of one slot and neighbours of different slots.
+        let token_slots = (0..rows)
+            .map(|r| match r % 7 {
+                0 => NO_SLOT,
+                _ => ((r / 5) % slots) as i32,
+            })
+            .collect();
+        let problem = Problem {
+            in_features,
+            slices: vec![(out_features, rank)],
+            slots,
+            token_slots,
+        };
+        let round = |t: Tensor<2>| t.cast(dtype).cast(DType::F32);
+        let mut data = problem.data(&cpu).cast(dtype).cast(DType::F32);
+        data.base = Tensor::zeros([rows, out_features], &cpu.device);
+        let weight_t = round(Tensor::random(
+            [in_features, out_features],
+            uniform,
+            &cpu.device,
+        ));
+        let bias =
+            round(Tensor::random([1, out_features], uniform, &cpu.device)).reshape([out_features]);
+        (problem, data, weight_t, bias)
+    }
+
+    /// `linear_lora` with our linear `shader` against float64: the product's f32 sums within
+    /// Higham's bound γ(in + 1) · (Σ|x·w| + |b|) (twice `u` for tensor cores, which may
+    /// truncate), the LoRA delta within [`reference`]'s, and the one rounding of the output to
+    /// `dtype`; rows without an adapter equal the product of the same kernel without the
+    /// epilogue.
+    fn check_fused(
+        gpu: &device::RuntimeDevice,
+        shader: LinearShader,
+        shape: [usize; 3],
+        lora: (usize, usize),
+        dtype: DType,
+    ) {
+        let [rows, in_features, out_features] = shape;
+        let (problem, data, weight_t, bias) = fused_layer(shape, lora, dtype);
+        let delta = reference(&problem, &data);
+        let (x, w, b) = (to_f64(&data.x), to_f64(&weight_t), to_f64(&bias));
+        let truncating = matches!(shader, LinearShader::Coop(_));
+        let u = if truncating { 2.0 * U } else { U };
+        let gamma = (in_features + 1) as f64 * u / (1.0 - (in_features + 1) as f64 * u);
+        let rounding = if dtype == DType::F16 { U16 } else { U };
+
+        let on = data.to_device(gpu).cast(dtype);
+        let (weight_t, bias) = (
+            weight_t.to_device(&gpu.device).cast(dtype),
+            bias.to_device(&gpu.device).cast(dtype),
+        );
+        let batch = LoraBatch::new(problem.meta(), gpu);
+        let fused = linear_lora(
+            on.x.clone(),
+            &weight_t,
+            &bias,
+            &on.slices[0],
+            &batch,
+            shader,
+        )
+        .expect("the shader takes the product")
+        .unwrap();
+        let fused = to_f64(&fused.cast(DType::F32));
+        let plain: Tensor<2> = Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_wgsl(
+            on.x.into_dispatch(),
+            weight_t.into_dispatch(),
+            bias.into_dispatch(),
+            shader,
+        ));
+        let plain = to_f64(&plain.cast(DType::F32));
+        for row in 0..rows {
+            let xr = &x[row * in_features..(row + 1) * in_features];
+            for o in 0..out_features {
+                let i = row * out_features + o;
+                let at = || {
+                    format!(
+                        "{shader:?} {rows}×{in_features}→{out_features}, rank {}, {dtype:?}: y[{row}, {o}]",
+                        lora.1
+                    )
+                };
+                if problem.token_slots[row] == NO_SLOT {
+                    assert_eq!(fused[i], plain[i], "{}: a row without an adapter", at());
+                    continue;
+                }
+                let terms = xr
+                    .iter()
+                    .enumerate()
+                    .map(|(k, x)| x * w[k * out_features + o]);
+                let product = terms.clone().sum::<f64>() + b[o];
+                let magnitude = terms.map(f64::abs).sum::<f64>() + b[o].abs();
+                let expected = product + delta.y[i];
+                // `reference` bounds the delta's sums and its own rounding; the output's is
+                // rounding's.
+                let bound = gamma * magnitude + delta.bound[i] + rounding * expected.abs();
+                assert!(
+                    (fused[i] - expected).abs() <= bound,
+                    "{}: fused {} vs {expected} (bound {bound:e})",
+                    at(),
+                    fused[i]
+                );
+            }
+        }
+    }
+
+    /// Each of our linear shaders with a LoRA epilogue, in f32 and f16 (the coop ones: f16
+    /// alone; emulated on devices without cooperative matrices, as on lavapipe): rows past one
+    /// block and columns past one block of each, ranks of one and several `vec4`s, and a shape
+    /// of Qwen2-VL-2B's `attn.qkv`.
+    #[test]
+    fn fused_linear_lora_matches_float64() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        let mut shaders = vec![LinearShader::Tiled];
+        for tiling in CoopTiling::ALL {
+            shaders.push(LinearShader::CoopEmulated(tiling));
+            if gemm::coop_for_tests(&gpu, tiling).is_some() {
+                shaders.push(LinearShader::Coop(tiling));
+            }
+        }
+        let f16 = device::f16_for_tests(&gpu);
+        for shader in shaders {
+            // A shader the device cannot run falls back to the unfused op: nothing checked.
+            assert!(
+                gemm::runs_for_tests(shader, &gpu),
+                "{} runs {shader:?}",
+                gpu.description
+            );
+            let coop = shader != LinearShader::Tiled;
+            let dtypes = match (coop, f16) {
+                (false, true) => &[DType::F32, DType::F16][..],
+                (false, false) => &[DType::F32][..],
+                (true, true) => &[DType::F16][..],
+                (true, false) => &[][..],
+            };
+            for &dtype in dtypes {
+                for lora in [(3, 4), (5, 16)] {
+                    check_fused(&gpu, shader, [133, 96, 272], lora, dtype);
+                }
+                check_fused(&gpu, shader, [20, 1280, 3840], (8, 16), dtype);
+            }
+        }
+    }
+
+    /// What `linear_lora` leaves to the caller: a rank that is not a multiple of 4, no row
+    /// with an adapter, a shader without the epilogue; and what it refuses.
+    #[test]
+    fn fused_linear_lora_declines_what_it_does_not_fit() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        let run = |shader, lora: (usize, usize), token_slots: Vec<i32>, out_features: usize| {
+            let (mut problem, data, weight_t, bias) = fused_layer([20, 16, 32], lora, DType::F32);
+            problem.token_slots = token_slots;
+            let on = data.to_device(&gpu);
+            let batch = LoraBatch::new(problem.meta(), &gpu);
+            let columns = 0..out_features;
+            let weight_t = weight_t
+                .slice(s![.., columns.clone()])
+                .to_device(&gpu.device);
+            let bias = bias.slice(s![columns]).to_device(&gpu.device);
+            linear_lora(on.x, &weight_t, &bias, &on.slices[0], &batch, shader)
+        };
+        let tiled = LinearShader::Tiled;
+        let some_rows = || (0..20).map(|r| r % 3 - 1).collect::<Vec<i32>>();
+        assert!(run(tiled, (2, 6), some_rows(), 32).is_none(), "rank 6");
+        assert!(
+            run(tiled, (2, 4), vec![NO_SLOT; 20], 32).is_none(),
+            "no adapter row"
+        );
+        let registers = LinearShader::Registers;
+        assert!(
+            run(registers, (2, 4), some_rows(), 32).is_none(),
+            "linear.wgsl"
+        );
+        assert!(
+            matches!(
+                run(tiled, (2, 4), some_rows(), 28),
+                Some(Err(LoraOpError::Shape {
+                    tensor: "lora_b",
+                    ..
+                }))
+            ),
+            "B wider than the product"
+        );
+        assert!(run(tiled, (2, 4), some_rows(), 32).is_some_and(|y| y.is_ok()));
+    }
+
     #[test]
     fn shaders_validate_and_translate_to_every_backend() {
         let on_disk: Vec<String> =
@@ -608,6 +867,7 @@ mod tests {
                 LoraShader::ALL.iter().any(|s| s.file_name() == file)
                     || LinearShader::ALL.iter().any(|s| s.file_name() == file)
                     || file == gemm::COOP_STORE_FILE_NAME
+                    || file == gemm::LORA_FILE_NAME
                     || file == fused_attention::FILE_NAME
                     || file == fused_norm::SHADER.file_name
                     || file == fused_rotary::SHADER.file_name,

@@ -481,7 +481,8 @@ impl Qwen2VlVision {
     }
 
     /// `layer` on `x`: its base product marked as `stage`, its LoRA op (where adapters are
-    /// installed) as [`Stage::LoraOp`].
+    /// installed) as [`Stage::LoraOp`]; both as `stage` where the layer's kernel adds the
+    /// deltas as it stores its product ([`LoraLinear::fused`]).
     fn linear(
         &self,
         layer: &LoraLinear,
@@ -489,6 +490,11 @@ impl Qwen2VlVision {
         batch: &LoraBatch,
         stage: Stage,
     ) -> Result<Tensor<2>, ModelError> {
+        if let Some(y) = layer.fused(x.clone(), batch) {
+            let y = y?;
+            self.stages.mark(stage);
+            return Ok(y);
+        }
         let y = layer.base(x.clone());
         self.stages.mark(stage);
         if !layer.has_lora() {

@@ -1,0 +1,39 @@
+// The LoRA epilogue of the linear kernels for hardware GPUs (linear_tiled.wgsl,
+// linear_coop.wgsl, linear_coop_direct.wgsl), pasted into each where it says `lora` when the
+// kernel adds each row's adapter delta as it stores the row:
+//     y[row, col] += sum_r shrunk[row, r] * lora_b[slot of row, col, r]
+//
+// The shrink ran before, in a launch of its own (lora_shrink*.wgsl: shrunk[row] = x[row] ·
+// A[slot]ᵀ, in f32). Adding the expand here, to sums still in registers, saves the expand's own
+// launch and its pass over y (a read and a write of every output of an adapter row). Rows whose
+// slot is -1 add nothing: their row of shrunk is never written, and is never read here. The
+// delta is summed in f32 and added to the f32 sum of the product and bias, so the output is
+// rounded to ELEM once.
+//
+// Every width is a multiple of 4, the rank included. Params carries lora_rank.
+
+@group(0) @binding(4) var<storage, read_write> shrunk: array<vec4<f32>>;  // [rows, rank / 4]
+@group(0) @binding(5) var<storage, read_write> lora_b: array<vec4<ELEM>>; // [slots, out, rank / 4]
+@group(0) @binding(6) var<storage, read_write> row_slots: array<i32>;     // [rows]
+
+// Row `row`'s delta at vec4 column `column4` of y's `out4`.
+fn lora_delta(row: u32, column4: u32, out4: u32) -> vec4<f32> {
+    let slot = row_slots[row];
+    var delta = vec4<f32>();
+    if (slot >= 0) {
+        let rank4 = params.lora_rank / 4u;
+        let t_at = row * rank4;
+        // Where B's row of each of the four columns starts; B's rows are `rank4` vec4s long.
+        let b_at = (u32(slot) * out4 + column4) * 4u * rank4;
+        for (var r = 0u; r < rank4; r++) {
+            let t = shrunk[t_at + r];
+            delta += vec4<f32>(
+                dot(t, vec4<f32>(lora_b[b_at + r])),
+                dot(t, vec4<f32>(lora_b[b_at + rank4 + r])),
+                dot(t, vec4<f32>(lora_b[b_at + 2u * rank4 + r])),
+                dot(t, vec4<f32>(lora_b[b_at + 3u * rank4 + r])),
+            );
+        }
+    }
+    return delta;
+}
