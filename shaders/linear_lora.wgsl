@@ -10,13 +10,16 @@
 // delta is summed in f32 and added to the f32 sum of the product and bias, so the output is
 // rounded to ELEM once.
 //
-// Every width is a multiple of 4, the rank included. Params carries lora_rank.
+// Every width is a multiple of 4, the rank included. Params carries lora_rank. A kernel that
+// stores four rows of a column at a time (linear_tiled.wgsl) takes lora_deltas, which shares
+// the loads of B between them; the others take lora_delta, row by row.
 
 @group(0) @binding(4) var<storage, read_write> shrunk: array<vec4<f32>>;  // [rows, rank / 4]
 @group(0) @binding(5) var<storage, read_write> lora_b: array<vec4<ELEM>>; // [slots, out, rank / 4]
 @group(0) @binding(6) var<storage, read_write> row_slots: array<i32>;     // [rows]
 
-// Row `row`'s delta at vec4 column `column4` of y's `out4`.
+// Row `row`'s delta at vec4 column `column4` of y's `out4`: 4 · rank / 4 loads of B, rank / 4 of
+// shrunk.
 fn lora_delta(row: u32, column4: u32, out4: u32) -> vec4<f32> {
     let slot = row_slots[row];
     var delta = vec4<f32>();
@@ -36,4 +39,42 @@ fn lora_delta(row: u32, column4: u32, out4: u32) -> vec4<f32> {
         }
     }
     return delta;
+}
+
+// The deltas of rows `row` .. `row` + 3 (row `row` + i in column i of the matrix) at vec4 column
+// `column4`: where the four rows have one adapter (rows of an image do), each load of B serves
+// all four, which quarters them; else row by row. Rows past the last are clamped to it: summed,
+// never stored.
+fn lora_deltas(row: u32, column4: u32, out4: u32) -> mat4x4<f32> {
+    var rows: array<u32, 4>;
+    for (var i = 0u; i < 4u; i++) {
+        rows[i] = min(row + i, params.rows - 1u);
+    }
+    let slot = row_slots[rows[0]];
+    let one_slot = slot >= 0 && row_slots[rows[1]] == slot && row_slots[rows[2]] == slot
+        && row_slots[rows[3]] == slot;
+    if (!one_slot) {
+        return mat4x4<f32>(
+            lora_delta(rows[0], column4, out4),
+            lora_delta(rows[1], column4, out4),
+            lora_delta(rows[2], column4, out4),
+            lora_delta(rows[3], column4, out4),
+        );
+    }
+    let rank4 = params.lora_rank / 4u;
+    let b_at = (u32(slot) * out4 + column4) * 4u * rank4;
+    var deltas = mat4x4<f32>();
+    for (var r = 0u; r < rank4; r++) {
+        let b = mat4x4<f32>(
+            vec4<f32>(lora_b[b_at + r]),
+            vec4<f32>(lora_b[b_at + rank4 + r]),
+            vec4<f32>(lora_b[b_at + 2u * rank4 + r]),
+            vec4<f32>(lora_b[b_at + 3u * rank4 + r]),
+        );
+        // Row i's four sums: its vec4 of shrunk against the four columns' vec4s of B.
+        for (var i = 0u; i < 4u; i++) {
+            deltas[i] += shrunk[rows[i] * rank4 + r] * b;
+        }
+    }
+    return deltas;
 }

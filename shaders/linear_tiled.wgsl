@@ -77,20 +77,21 @@ fn load_w(column0: u32, k0: u32, lid: u32, out4: u32) -> vec4<f32> {
     return select(vec4<f32>(), vec4<f32>(weight_t[at]), k < params.in_features);
 }
 
-// Stores row `row` of a cell, plus the bias and the row's LoRA delta, where the row and column exist.
+// Stores row `row` of a cell, plus the bias, where the row and column exist.
 fn store(row: u32, column: u32, out4: u32, sums: vec4<f32>) {
     if (row < params.rows && column < out4) {
-        let delta = lora_delta(row, column, out4);
-        y[row * out4 + column] = vec4<ELEM>(sums + vec4<f32>(bias[column]) + delta);
+        y[row * out4 + column] = vec4<ELEM>(sums + vec4<f32>(bias[column]));
     }
 }
 
-// Stores the 4 × 4 cell `sums` whose first row is `row` and whose vec4 column is `column`.
+// Stores the 4 × 4 cell `sums` whose first row is `row` and whose vec4 column is `column`, with
+// its rows' LoRA deltas.
 fn store_cell(row: u32, column: u32, out4: u32, sums: mat4x4<f32>) {
-    store(row, column, out4, sums[0]);
-    store(row + 1u, column, out4, sums[1]);
-    store(row + 2u, column, out4, sums[2]);
-    store(row + 3u, column, out4, sums[3]);
+    let with_deltas = sums + lora_deltas(row, column, out4);
+    store(row, column, out4, with_deltas[0]);
+    store(row + 1u, column, out4, with_deltas[1]);
+    store(row + 2u, column, out4, with_deltas[2]);
+    store(row + 3u, column, out4, with_deltas[3]);
 }
 
 @compute @workgroup_size(WORKGROUP)

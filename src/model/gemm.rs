@@ -982,9 +982,13 @@ impl KernelSource for LinearSource {
     }
 }
 
-/// What a linear kernel without the LoRA epilogue has where it says `lora`: a delta of zero.
+/// What a linear kernel without the LoRA epilogue has where it says `lora`: deltas of zero.
 const NO_LORA: &str = "fn lora_delta(row: u32, column4: u32, out4: u32) -> vec4<f32> {
     return vec4<f32>();
+}
+
+fn lora_deltas(row: u32, column4: u32, out4: u32) -> mat4x4<f32> {
+    return mat4x4<f32>();
 }";
 
 /// The statements `shaders/linear.wgsl` repeats for each of the [`ROWS`] rows and [`COLUMNS`]
