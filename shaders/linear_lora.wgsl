@@ -7,8 +7,8 @@
 // A[slot]ᵀ, in f32). Adding the expand here, to sums still in registers, saves the expand's own
 // launch and its pass over y (a read and a write of every output of an adapter row). Rows whose
 // slot is -1 add nothing: their row of shrunk is never written, and is never read here. The
-// delta is summed in f32 and added to the f32 sum of the product and bias, so the output is
-// rounded to ELEM once.
+// delta is summed in f32 and added to the product's f32 sums along with the bias, so the output
+// is rounded to ELEM once.
 //
 // Every width is a multiple of 4, the rank included. Params carries lora_rank. A kernel that
 // stores four rows of a column at a time (linear_tiled.wgsl) takes lora_deltas, which shares

@@ -27,6 +27,11 @@
 //! does not, so CI runs their staging, indexing and stores with the cooperative operations
 //! emulated.
 //!
+//! All but `linear.wgsl` also come with a LoRA epilogue (`shaders/linear_lora.wgsl`, pasted in
+//! where they say `lora`): they add each row's adapter delta to the row's sums as they store it,
+//! the LoRA op fused into the product ([`crate::lora::ops::linear_lora`], which launches them
+//! through `launch_linear` after the shrink).
+//!
 //! On Flex (the CPU backend) the product with a bias is one `gemm` call that adds onto rows of
 //! the bias, whichever kernel is asked for.
 
@@ -99,8 +104,8 @@ pub const COOP_STORE_FILE_NAME: &str = "linear_coop_store.wgsl";
 /// The side of one cooperative matrix of the coop kernels (16 × 16 × 16 products).
 const MATRIX: u32 = 16;
 
-/// The LoRA epilogue our linear kernels paste in (`{{ lora }}`) where they add each row's
-/// adapter delta as they store it.
+/// The LoRA epilogue our linear kernels for hardware GPUs paste in (`{{ lora }}`) where they add
+/// each row's adapter delta as they store it ([`LinearShader::has_lora_epilogue`]).
 pub const LORA_FILE_NAME: &str = "linear_lora.wgsl";
 
 /// Values each row of `linear_coop.wgsl`'s slices in workgroup memory is padded by: 16 bytes of

@@ -102,9 +102,10 @@ torch_bench=(python3 tools/bench_torch.py --device "$torch_device" --images 8 "$
 step torch-fp32 120 "${torch_bench[@]}"
 step torch-bf16 90 "${torch_bench[@]}" --dtype bfloat16
 # The fastest linear kernel per shape (auto times Burn's and our tiled one, each checked against
-# Burn's first, its picks logged at info), and the base with each kernel alone beside it.
-step linear-kernels 90 env RUST_LOG=mmlora=info \
-    "${bench[@]}" --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto
+# Burn's first, its picks logged at info), and the base with each kernel alone beside it. The
+# op lines time the op apart and fused into the picked kernel side by side (`fused_*`).
+step linear-kernels 120 env RUST_LOG=mmlora=info \
+    "${bench[@]}" --adapters 8 --ranks 16 --op-rows 256,4096,8192 --repeats 2 --linear-kernel auto
 # The f16 linears on cooperative matrices (the tensor cores).
 step coop-f16 90 "${bench[@]}" --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 \
     --linear-kernel coop
@@ -120,8 +121,10 @@ step stages-wide 90 env RUST_LOG=mmlora=info \
 # 16 distinct adapters need 16 images (each image carries one).
 step bench-16 90 "$bin/mmlora" bench --device gpu --json --images 16 "${shape[@]}" \
     --adapters 16 --ranks 16 --no-op --linear-kernel burn
-# The op against the native path on a real Vulkan driver, every shader and edge case.
-step op-tests 120 "$bin/lib" lora::ops
+# The op against the native path on a real Vulkan driver, every shader and edge case, and fused
+# into the linear kernels (the real coop ones too: MMLORA_EXPECT_COOP=1 fails where they cannot
+# run).
+step op-tests 120 env MMLORA_EXPECT_COOP=$expect_coop "$bin/lib" lora::ops
 # The fused attention, rotary and layer norm kernels (and Burn's attention and norm) against
 # float64 on a real driver, f32 and f16.
 step fused-tests 60 "$bin/lib" model::sdpa model::fused_attention model::rope \
@@ -135,8 +138,9 @@ step attention-alone 60 env MMLORA_BENCH_IMAGES=$attention_images "$bin/attentio
 # fails the coop tests where the adapter has no cooperative matrices, rather than skipping them.
 step linear-tests 120 env MMLORA_EXPECT_COOP=$expect_coop MMLORA_COOP_REPEATS=50 \
     "$bin/lib" model::gemm --nocapture
-step linear-kernels-f16 90 env RUST_LOG=mmlora=info \
-    "${bench[@]}" --adapters 8 --ranks 16 --no-op --repeats 2 --linear-kernel auto --precision f16
+step linear-kernels-f16 120 env RUST_LOG=mmlora=info \
+    "${bench[@]}" --adapters 8 --ranks 16 --op-rows 256,4096,8192 --repeats 2 --linear-kernel auto \
+    --precision f16
 step stages-f16 90 env RUST_LOG=mmlora=info \
     "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto --precision f16
 # The engine against transformers + PEFT, isolation and the rest, on a real driver.
@@ -181,7 +185,8 @@ def step_lines(results, file_name):
         return None
 
 with tarfile.open(sys.argv[1]) as results:
-    for name in ["bench", "bench-f16", "torch-fp32", "torch-bf16", "linear-kernels", "coop-f16"]:
+    for name in ["bench", "bench-f16", "torch-fp32", "torch-bf16", "linear-kernels", "coop-f16",
+                 "linear-kernels-f16"]:
         lines = step_lines(results, f"{name}.out")
         if lines is None:
             continue
