@@ -4,16 +4,16 @@
 //! `attn.qkv` shape with the rows cycling through the adapters. Beside them, the base plus the
 //! op onto its first [`NARROW_COLUMNS`] output columns alone: the whole shrink with next to no
 //! expand, which tells the op's two launches apart; and the op fused into the base linear
-//! ([`linear_lora`]: the shrink, then the linear kernel adding each row's delta as it stores
-//! it), as the engine runs it where the base linear's kernel is one of ours.
+//! ([`LoraLinear::fused`]: the shrink, then the linear kernel adding each row's delta as it
+//! stores it), as the engine runs it where the base linear's kernel is one of ours.
 //!
-//! Each is timed as one call between device syncs, and the base, the op, the fused op and the
-//! narrow op also
+//! Each is timed as one call between device syncs, and all but the naive path also
 //! [`back_to_back`]: [`BACK_TO_BACK_CALLS`] calls between two syncs, as a forward pass runs its
 //! layers. On a hardware GPU a sync costs more than a small linear (about 0.37 ms on the H200,
 //! against about 0.1 ms for 256 rows of `attn.qkv`), so only the back-to-back times say what the
 //! op adds to a linear at few rows.
 
+use std::cell::Cell;
 use std::convert::Infallible;
 use std::time::{Duration, Instant};
 
@@ -21,8 +21,9 @@ use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use serde::Serialize;
 
 use crate::device::{Precision, RuntimeDevice};
+use crate::lora::linear::LoraLinear;
 use crate::lora::meta::KernelMeta;
-use crate::lora::ops::{LoraBatch, LoraSlice, ShrinkKernel, choice, linear_lora, lora_apply};
+use crate::lora::ops::{LoraBatch, LoraSlice, ShrinkKernel, choice, lora_apply};
 use crate::model::gemm::LinearKernel;
 use crate::model::linear_choice::LinearChoice;
 use crate::model::qwen2_vl::{DEFAULT_BUFFER_LIMIT, VisionConfig};
@@ -73,11 +74,10 @@ impl OpShape {
 /// Random inputs of one shape on one device.
 pub struct OpInputs {
     shape: OpShape,
-    /// What computes the base linear.
-    linear: LinearChoice,
+    /// The base linear, with the kernel the engine would pick and `slice` installed: the
+    /// engine's layer.
+    layer: LoraLinear,
     x: Tensor<2>,
-    weight_t: Tensor<2>,
-    bias: Tensor<1>,
     slice: LoraSlice,
     /// The adapters' A with a B of [`NARROW_COLUMNS`] columns, at the output's first columns.
     narrow_slice: LoraSlice,
@@ -121,27 +121,34 @@ impl OpInputs {
             d,
         )
         .cast(dtype);
+        let slice = LoraSlice {
+            a: lora_a.clone(),
+            b: lora_b(out_features),
+            offset: 0,
+        };
+        let mut layer = LoraLinear::new(
+            Tensor::<2>::random(
+                [out_features, in_features],
+                Distribution::Uniform(-0.03, 0.03),
+                d,
+            )
+            .cast(dtype),
+            Some(
+                Tensor::<1>::random([out_features], Distribution::Uniform(-1.0, 1.0), d)
+                    .cast(dtype),
+            ),
+        );
+        layer.set_kernel(LinearChoice::new(linear_kernel, on, dtype));
+        layer.set_lora(Some(slice.clone()));
         Self {
             shape: OpShape {
                 linear_kernel: linear_kernel.resolve(on),
                 ..shape
             },
-            linear: LinearChoice::new(linear_kernel, on, dtype),
+            layer,
             x: Tensor::<2>::random([rows, in_features], Distribution::Uniform(-1.0, 1.0), d)
                 .cast(dtype),
-            weight_t: Tensor::<2>::random(
-                [in_features, out_features],
-                Distribution::Uniform(-0.03, 0.03),
-                d,
-            )
-            .cast(dtype),
-            bias: Tensor::<1>::random([out_features], Distribution::Uniform(-1.0, 1.0), d)
-                .cast(dtype),
-            slice: LoraSlice {
-                a: lora_a.clone(),
-                b: lora_b(out_features),
-                offset: 0,
-            },
+            slice,
             narrow_slice: LoraSlice {
                 a: lora_a,
                 b: lora_b(NARROW_COLUMNS.min(out_features)),
@@ -157,8 +164,7 @@ impl OpInputs {
 
     /// The base linear `x · Wᵀ + b`.
     pub fn base(&self) -> Tensor<2> {
-        self.linear
-            .linear(self.x.clone(), &self.weight_t, Some(&self.bias))
+        self.layer.base(self.x.clone())
     }
 
     /// `base` plus each row's LoRA delta through the op.
@@ -173,23 +179,10 @@ impl OpInputs {
     }
 
     /// The base linear with each row's LoRA delta as the engine computes it: fused into the
-    /// base linear's kernel where that is one of ours ([`linear_lora`]), else the base then the
-    /// op. Whether it was fused.
+    /// base linear's kernel where that is one of ours ([`LoraLinear::fused`]), else the base
+    /// then the op. Whether it was fused.
     pub fn fused(&self) -> (Tensor<2>, bool) {
-        let kernel = self
-            .linear
-            .kernel(&self.x, &self.weight_t, Some(&self.bias));
-        let fused = kernel.shader().and_then(|shader| {
-            linear_lora(
-                self.x.clone(),
-                &self.weight_t,
-                &self.bias,
-                &self.slice,
-                &self.batch,
-                shader,
-            )
-        });
-        match fused {
+        match self.layer.fused(self.x.clone(), &self.batch) {
             Some(y) => (y.expect("inputs built for the op"), true),
             None => (self.lora(self.base()), false),
         }
@@ -311,7 +304,7 @@ pub struct OpRecord {
     /// What the narrow op adds to the base linear, the same way: about the shrink's share of
     /// [`OpRecord::lora_overhead`].
     pub narrow_lora_overhead: f64,
-    /// Whether the base linear's kernel took the op fused ([`linear_lora`]); where not, the
+    /// Whether the base linear's kernel took the op fused ([`LoraLinear::fused`]); where not, the
     /// fused timings are the base and the op again.
     pub fused: bool,
     /// The base linear with the op fused into it, median ms.
@@ -345,7 +338,13 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, repeats: usize) -> OpRecord {
     let lora = || inputs.lora(inputs.base());
     let naive = || inputs.naive(inputs.base());
     let narrow = || inputs.narrow_lora(inputs.base());
-    let fused = || inputs.fused().0;
+    // Whether the fused variant fused, as its runs find.
+    let fused_here = Cell::new(false);
+    let fused = || {
+        let (y, fused) = inputs.fused();
+        fused_here.set(fused);
+        y
+    };
     // Each variant and the calls it makes between two syncs.
     let variants: [(&dyn Fn() -> Tensor<2>, u32); 9] = [
         (&base, 1),
@@ -386,7 +385,7 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, repeats: usize) -> OpRecord {
         lora_overhead: super::paired_ratio(lora, base) - 1.0,
         naive_overhead: super::paired_ratio(naive, base) - 1.0,
         narrow_lora_overhead: super::paired_ratio(narrow, base) - 1.0,
-        fused: inputs.fused().1,
+        fused: fused_here.get(),
         fused_ms: super::median(fused),
         fused_overhead: super::paired_ratio(fused, base) - 1.0,
         back_to_back_calls: BACK_TO_BACK_CALLS,

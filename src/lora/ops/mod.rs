@@ -25,6 +25,7 @@ pub mod native;
 pub(crate) mod testing;
 pub mod wgsl;
 
+use std::borrow::Cow;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 
@@ -213,12 +214,12 @@ impl LoraBatch {
     /// The batch with `Timed` resolved to the kernel [`choice`] picks for this shape (timing
     /// the candidates if it is a new one): what the backend launches. `x`, an output of
     /// `out_total` columns and `slices` are the op's checked inputs, with an adapter row.
-    fn resolved(&self, x: &Tensor<2>, out_total: usize, slices: &[LoraSlice]) -> Self {
+    fn resolved(&self, x: &Tensor<2>, out_total: usize, slices: &[LoraSlice]) -> Cow<'_, Self> {
         match self.shrink() {
             ShrinkKernel::Timed => {
-                self.with_plan_shrink(choice::pick(x, out_total, slices, self).0)
+                Cow::Owned(self.with_plan_shrink(choice::pick(x, out_total, slices, self).0))
             }
-            _ => self.clone(),
+            _ => Cow::Borrowed(self),
         }
     }
 }
