@@ -1,10 +1,11 @@
 //! Timing kernels on the device while the runtime runs: how the kernel choices that are made
 //! by measurement (the linears' [`LinearChoice::Timed`](crate::model::linear_choice), the LoRA
-//! op's [`ShrinkKernel::Timed`](crate::lora::ops::ShrinkKernel)) time their candidates.
+//! op's [`ShrinkKernel::Timed`](crate::lora::ops::ShrinkKernel), and whether the op runs fused
+//! ([`crate::lora::ops::fusion`])) time their candidates.
 
 use std::time::{Duration, Instant};
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{DType, Device, Tensor, s};
 
 /// Timed runs per candidate, after the one that compiled it.
 pub const TIMED_RUNS: usize = 3;
@@ -31,4 +32,12 @@ pub fn median_time(device: &Device, run: impl Fn() -> Tensor<2>) -> Result<Durat
 /// shows, since a sync alone does not report a refused launch.
 pub fn read(tensor: Tensor<1>) -> Result<f32, String> {
     tensor.try_into_scalar::<f32>().map_err(|e| e.to_string())
+}
+
+/// Reads one value of `output`, the first run of a candidate (which compiled its pipelines): a
+/// failure of the device, or of an allocation for the candidate's tensors, shows here, where a
+/// sync alone would time the refused launches.
+pub fn first_run(output: Tensor<2>) -> Result<(), String> {
+    let value = output.slice(s![0..1, 0..1]).reshape([1]).cast(DType::F32);
+    read(value).map(drop)
 }

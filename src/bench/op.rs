@@ -4,8 +4,9 @@
 //! `attn.qkv` shape with the rows cycling through the adapters. Beside them, the base plus the
 //! op onto its first [`NARROW_COLUMNS`] output columns alone: the whole shrink with next to no
 //! expand, which tells the op's two launches apart; and the op fused into the base linear
-//! ([`LoraLinear::fused`]: the shrink, then the linear kernel adding each row's delta as it
-//! stores it), as the engine runs it where the base linear's kernel is one of ours.
+//! ([`LoraLinear::fused_where_it_fits`]: the shrink, then the linear kernel adding each row's
+//! delta as it stores it) wherever the base linear's kernel is one of ours with the epilogue,
+//! so that the two ways the engine chooses between (`lora::ops::fusion`) are timed side by side.
 //!
 //! Each is timed as one call between device syncs, and all but the naive path also
 //! [`back_to_back`]: [`BACK_TO_BACK_CALLS`] calls between two syncs, as a forward pass runs its
@@ -178,11 +179,11 @@ impl OpInputs {
         self.apply(base, &self.narrow_slice)
     }
 
-    /// The base linear with each row's LoRA delta as the engine computes it: fused into the
-    /// base linear's kernel where that is one of ours ([`LoraLinear::fused`]), else the base
-    /// then the op. Whether it was fused.
+    /// The base linear with each row's LoRA delta fused into the base linear's kernel where
+    /// that is one of ours with the epilogue ([`LoraLinear::fused_where_it_fits`], whether or
+    /// not the engine's timing would fuse it), else the base then the op. Whether it was fused.
     pub fn fused(&self) -> (Tensor<2>, bool) {
-        match self.layer.fused(self.x.clone(), &self.batch) {
+        match self.layer.fused_where_it_fits(self.x.clone(), &self.batch) {
             Some(y) => (y.expect("inputs built for the op"), true),
             None => (self.lora(self.base()), false),
         }
@@ -304,8 +305,9 @@ pub struct OpRecord {
     /// What the narrow op adds to the base linear, the same way: about the shrink's share of
     /// [`OpRecord::lora_overhead`].
     pub narrow_lora_overhead: f64,
-    /// Whether the base linear's kernel took the op fused ([`LoraLinear::fused`]); where not, the
-    /// fused timings are the base and the op again.
+    /// Whether the base linear's kernel took the op fused
+    /// ([`LoraLinear::fused_where_it_fits`]); where not, the fused timings are the base and the
+    /// op again.
     pub fused: bool,
     /// The base linear with the op fused into it, median ms.
     pub fused_ms: f64,

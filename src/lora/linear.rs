@@ -2,7 +2,7 @@
 
 use burn::tensor::{DType, Tensor};
 
-use super::ops::{LoraBatch, LoraOpError, LoraSlice, linear_lora, lora_apply};
+use super::ops::{FusedLinear, LoraBatch, LoraOpError, LoraSlice, fuse, fusion, lora_apply};
 use crate::model::gemm::{LinearKernel, materialize};
 use crate::model::linear_choice::LinearChoice;
 
@@ -91,13 +91,46 @@ impl LoraLinear {
     }
 
     /// `x·Wᵀ + b` with each row's adapter delta added in one pass over the output: where
-    /// adapters are installed and the kernel picked for the shape is one of ours with a LoRA
-    /// epilogue that takes the product and the batch ([`linear_lora`]). `None` where not: the
-    /// caller runs [`Self::base`] and [`Self::add_lora`].
+    /// [`Self::fused_where_it_fits`] fits, and, where the layer's kernel is timed per shape
+    /// ([`LinearChoice::Timed`]), where the device ran it faster than the op apart on this
+    /// shape ([`fusion`]). `None` where not: the caller runs [`Self::base`] and
+    /// [`Self::add_lora`].
     pub fn fused(&self, x: Tensor<2>, batch: &LoraBatch) -> Option<Result<Tensor<2>, LoraOpError>> {
+        let fused = match self.fuse(&x, batch)? {
+            Ok(fused) => fused,
+            Err(error) => return Some(Err(error)),
+        };
+        if matches!(self.kernel, LinearChoice::Timed(_)) && !fusion::fuses(&x, &fused).0 {
+            return None;
+        }
+        Some(Ok(fused.run(x)))
+    }
+
+    /// `x·Wᵀ + b` with each row's adapter delta added in one pass over the output, wherever
+    /// adapters are installed and the kernel picked for the shape is one of ours with a LoRA
+    /// epilogue that takes the product and the batch
+    /// ([`linear_lora`](super::ops::linear_lora)). `None` where not.
+    pub fn fused_where_it_fits(
+        &self,
+        x: Tensor<2>,
+        batch: &LoraBatch,
+    ) -> Option<Result<Tensor<2>, LoraOpError>> {
+        match self.fuse(&x, batch)? {
+            Ok(fused) => Some(Ok(fused.run(x))),
+            Err(error) => Some(Err(error)),
+        }
+    }
+
+    /// The checked op fused into the kernel picked for `x`'s shape ([`fuse`]): `None` where
+    /// it does not fit.
+    fn fuse<'a>(
+        &'a self,
+        x: &Tensor<2>,
+        batch: &'a LoraBatch,
+    ) -> Option<Result<FusedLinear<'a>, LoraOpError>> {
         let (slice, bias) = (self.lora.as_ref()?, self.bias.as_ref()?);
-        let kernel = self.kernel.kernel(&x, &self.weight_t, Some(bias));
-        linear_lora(x, &self.weight_t, bias, slice, batch, kernel.shader()?)
+        let shader = self.kernel.kernel(x, &self.weight_t, Some(bias)).shader()?;
+        fuse(x, &self.weight_t, bias, slice, batch, shader).transpose()
     }
 
     /// Whether adapter weights are installed.
@@ -114,5 +147,55 @@ fn cast_slice(slice: LoraSlice, dtype: DType) -> LoraSlice {
         a: slice.a.cast(dtype),
         b: slice.b.cast(dtype),
         offset: slice.offset,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device;
+    use crate::lora::ops::testing::fused_layer;
+    use crate::model::gemm::LinearKernel;
+
+    /// A layer whose kernel is timed per shape runs the op fused or apart as the choice kept
+    /// for its shape says; one with a named kernel runs it fused wherever it fits.
+    #[test]
+    fn a_timed_layer_fuses_as_its_shape_s_choice_says() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        // 24 rows round to 32, 40 to 64: two shapes no other test runs.
+        for (rows, fuses) in [(24, false), (40, true)] {
+            let (problem, data, weight_t, bias) = fused_layer([rows, 36, 60], (3, 8), DType::F32);
+            let on = data.to_device(&gpu);
+            let mut layer = LoraLinear::new(
+                weight_t.transpose().to_device(&gpu.device),
+                Some(bias.to_device(&gpu.device)),
+            );
+            layer.set_lora(Some(on.slices[0].clone()));
+            layer.set_kernel(LinearChoice::Timed(&[LinearKernel::Tiled]));
+            let batch = LoraBatch::new(problem.meta(), &gpu);
+            let fused = layer.fuse(&on.x, &batch).unwrap().unwrap();
+            fusion::keep_for_tests(&on.x, &fused, fuses);
+
+            let all_fused = layer
+                .fused_where_it_fits(on.x.clone(), &batch)
+                .unwrap()
+                .unwrap();
+            match layer.fused(on.x.clone(), &batch) {
+                Some(y) => {
+                    assert!(fuses, "{rows} rows: fused where apart was kept");
+                    y.unwrap()
+                        .into_data()
+                        .assert_eq(&all_fused.into_data(), true);
+                }
+                None => assert!(!fuses, "{rows} rows: apart where fused was kept"),
+            }
+            layer.set_kernel(LinearChoice::Fixed(LinearKernel::Tiled));
+            assert!(
+                layer.fused(on.x.clone(), &batch).is_some(),
+                "{rows} rows: a named kernel fuses"
+            );
+        }
     }
 }

@@ -23,10 +23,10 @@ use std::sync::{LazyLock, Mutex, PoisonError};
 use std::time::Duration;
 
 use burn::backend::{Device as _, DeviceId};
-use burn::tensor::{DType, Tensor, s};
+use burn::tensor::{DType, Tensor};
 
 use super::{LoraBatch, LoraSlice, ShrinkKernel, TILE, apply};
-use crate::timing::{TIMED_RUNS, median_time, read};
+use crate::timing::{TIMED_RUNS, first_run, median_time};
 
 /// What [`ShrinkKernel::Timed`] chooses from; the first runs where timing fails.
 pub const CANDIDATES: [ShrinkKernel; 2] = [ShrinkKernel::Split, ShrinkKernel::Wide];
@@ -127,14 +127,6 @@ pub(super) fn pick(
         "LoRA shrink kernels timed");
     picks.insert(key, fastest);
     (fastest, Some(times))
-}
-
-/// Reads one value of `output`, the first run of a candidate (which compiled its pipelines):
-/// a failure of the device, or of an allocation for this call's tensors, shows here, where a
-/// sync alone would time the refused launches.
-fn first_run(output: Tensor<2>) -> Result<(), String> {
-    let value = output.slice(s![0..1, 0..1]).reshape([1]).cast(DType::F32);
-    read(value).map(drop)
 }
 
 #[cfg(test)]

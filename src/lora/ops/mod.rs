@@ -20,6 +20,7 @@
 //! saves the expand's launch and its pass over the output.
 
 pub mod choice;
+pub mod fusion;
 pub mod native;
 #[cfg(test)]
 pub(crate) mod testing;
@@ -37,7 +38,7 @@ use burn::tensor::{DType, Device, Int, Shape, Tensor, TensorData};
 
 use super::meta::KernelMeta;
 use crate::device::RuntimeDevice;
-use crate::model::gemm::{self, LinearShader};
+use crate::model::gemm::{self, LinearBackend, LinearShader};
 
 /// The largest adapter rank the op accepts (vLLM's largest `max_lora_rank`).
 pub const MAX_RANK: usize = 512;
@@ -324,6 +325,23 @@ pub fn linear_lora(
     batch: &LoraBatch,
     shader: LinearShader,
 ) -> Option<Result<Tensor<2>, LoraOpError>> {
+    match fuse(&x, weight_t, bias, slice, batch, shader) {
+        Ok(fused) => fused.map(|fused| Ok(fused.run(x))),
+        Err(error) => Some(Err(error)),
+    }
+}
+
+/// [`linear_lora`]'s checks and what it launches, apart from the launch: `Ok(None)` where the
+/// op does not fit `shader`'s product, so that a caller can run the op fused or apart, both on
+/// the same checked inputs ([`fusion`] times the two).
+pub fn fuse<'a>(
+    x: &Tensor<2>,
+    weight_t: &'a Tensor<2>,
+    bias: &'a Tensor<1>,
+    slice: &'a LoraSlice,
+    batch: &'a LoraBatch,
+    shader: LinearShader,
+) -> Result<Option<FusedLinear<'a>>, LoraOpError> {
     let [rows, _] = x.dims();
     let [_, out_total] = weight_t.dims();
     let output = Output {
@@ -332,33 +350,70 @@ pub fn linear_lora(
         dtype: weight_t.dtype(),
         device: weight_t.device(),
     };
-    if let Err(error) = check(&x, &output, slice, batch) {
-        return Some(Err(error));
-    }
+    check(x, &output, slice, batch)?;
     let [_, out_features, rank] = slice.b.dims();
     let fits = shader.has_lora_epilogue()
-        && gemm::takes(shader, &x, weight_t, bias)
+        && gemm::takes(shader, x, weight_t, bias)
         && slice.offset == 0
         && out_features == out_total
         && rank.is_multiple_of(4)
         && !batch.meta().no_lora();
-    if !fits {
-        return None;
-    }
-    let batch = batch.resolved(&x, out_total, std::slice::from_ref(slice));
-    let y = <Dispatch as LoraBackend>::linear_lora(
-        x.into_dispatch(),
-        weight_t.clone().into_dispatch(),
-        bias.clone().into_dispatch(),
-        slice.a.clone().into_dispatch(),
-        slice.b.clone().into_dispatch(),
-        batch.sorted_tokens.clone().into_dispatch(),
-        batch.tiles.clone().into_dispatch(),
-        batch.row_slots.clone().into_dispatch(),
-        batch.plan.clone(),
+    Ok(fits.then(|| FusedLinear {
+        weight_t,
+        bias,
+        slice,
+        batch: batch.resolved(x, out_total, std::slice::from_ref(slice)),
         shader,
-    );
-    Some(Ok(Tensor::from_dispatch(y)))
+    }))
+}
+
+/// A layer's product and LoRA op on checked inputs that fit one of our linear kernels' LoRA
+/// epilogues ([`fuse`]), to run fused or apart.
+#[derive(Debug)]
+pub struct FusedLinear<'a> {
+    /// `[in, out]`.
+    weight_t: &'a Tensor<2>,
+    /// `[out]`.
+    bias: &'a Tensor<1>,
+    /// Covers every output column, at a rank that is a multiple of 4.
+    slice: &'a LoraSlice,
+    /// With its shrink kernel resolved (not `Timed`), and an adapter row.
+    batch: Cow<'a, LoraBatch>,
+    /// Has the epilogue and takes the product.
+    shader: LinearShader,
+}
+
+impl FusedLinear<'_> {
+    /// `x · Wᵀ + b` with each row's delta added by the shader's epilogue, after the shrink
+    /// ([`LoraBackend::linear_lora`]); `x` is the input [`fuse`] checked.
+    pub fn run(&self, x: Tensor<2>) -> Tensor<2> {
+        let batch = &self.batch;
+        Tensor::from_dispatch(<Dispatch as LoraBackend>::linear_lora(
+            x.into_dispatch(),
+            self.weight_t.clone().into_dispatch(),
+            self.bias.clone().into_dispatch(),
+            self.slice.a.clone().into_dispatch(),
+            self.slice.b.clone().into_dispatch(),
+            batch.sorted_tokens.clone().into_dispatch(),
+            batch.tiles.clone().into_dispatch(),
+            batch.row_slots.clone().into_dispatch(),
+            batch.plan.clone(),
+            self.shader,
+        ))
+    }
+
+    /// The same sum with the op apart, as a layer runs it where it does not fuse: the
+    /// shader's product without the epilogue, then the op ([`lora_apply`]'s shrink and expand)
+    /// adding to it.
+    pub fn apart(&self, x: Tensor<2>) -> Tensor<2> {
+        let base = Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_wgsl(
+            x.clone().into_dispatch(),
+            self.weight_t.clone().into_dispatch(),
+            self.bias.clone().into_dispatch(),
+            self.shader,
+        ));
+        apply(x, base, std::slice::from_ref(self.slice), &self.batch)
+    }
 }
 
 /// [`lora_apply`] on checked inputs, with the batch's shrink kernel (resolved, not `Timed`).

@@ -348,3 +348,39 @@ pub fn problems() -> impl Strategy<Value = Problem> {
             }
         })
 }
+
+/// A layer for [`linear_lora`](super::linear_lora): `x` `[rows, in]`, `Wᵀ` `[in, out]`, `b` and one slice of
+/// `slots` adapters of `rank` covering every output column, uniform in ±1 and rounded to
+/// `dtype`, on the CPU in f32.
+pub fn fused_layer(
+    [rows, in_features, out_features]: [usize; 3],
+    (slots, rank): (usize, usize),
+    dtype: DType,
+) -> (Problem, ProblemData, Tensor<2>, Tensor<1>) {
+    let cpu = crate::device::cpu();
+    let uniform = Distribution::Uniform(-1.0, 1.0);
+    // Rows without an adapter, runs of one slot and neighbours of different slots.
+    let token_slots = (0..rows)
+        .map(|r| match r % 7 {
+            0 => NO_SLOT,
+            _ => ((r / 5) % slots) as i32,
+        })
+        .collect();
+    let problem = Problem {
+        in_features,
+        slices: vec![(out_features, rank)],
+        slots,
+        token_slots,
+    };
+    let round = |t: Tensor<2>| t.cast(dtype).cast(DType::F32);
+    let mut data = problem.data(&cpu).cast(dtype).cast(DType::F32);
+    data.base = Tensor::zeros([rows, out_features], &cpu.device);
+    let weight_t = round(Tensor::random(
+        [in_features, out_features],
+        uniform,
+        &cpu.device,
+    ));
+    let bias =
+        round(Tensor::random([1, out_features], uniform, &cpu.device)).reshape([out_features]);
+    (problem, data, weight_t, bias)
+}

@@ -474,12 +474,11 @@ fn shrink(
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::ProblemData;
     use super::super::testing::{
-        Problem, Reference, U, U16, assert_matches, check_f16, problems, reference, shrink_kernels,
-        to_f64,
+        Problem, Reference, U, U16, assert_matches, check_f16, fused_layer, problems, reference,
+        shrink_kernels, to_f64,
     };
-    use super::super::{LoraBatch, LoraOpError, linear_lora, lora_apply};
+    use super::super::{LoraBatch, LoraOpError, fuse, linear_lora, lora_apply};
     use super::*;
     use crate::device;
     use crate::lora::meta::{KernelMeta, NO_SLOT};
@@ -487,7 +486,7 @@ mod tests {
     use crate::model::{fused_attention, fused_norm, fused_rotary};
     use crate::wgsl::validate_and_translate;
     use burn::backend::Dispatch;
-    use burn::tensor::{Distribution, Tensor, s};
+    use burn::tensor::{Tensor, s};
     use proptest::prelude::*;
 
     /// WGSL with `shrink` against the native op and against float64 on the same random tensors.
@@ -654,55 +653,19 @@ mod tests {
         }
     }
 
-    /// Every shader parses and validates with naga, in every specialisation the runtime uses,
-    /// and translates to SPIR-V, MSL and HLSL; no file under `shaders/` goes unchecked.
-    /// A layer for [`linear_lora`]: `x` `[rows, in]`, `Wᵀ` `[in, out]`, `b` and one slice of
-    /// `slots` adapters of `rank` covering every output column, uniform in ±1 and rounded to
-    /// `dtype`, on the CPU in f32.
-    fn fused_layer(
-        [rows, in_features, out_features]: [usize; 3],
-        (slots, rank): (usize, usize),
-        dtype: DType,
-    ) -> (Problem, ProblemData, Tensor<2>, Tensor<1>) {
-        let cpu = device::cpu();
-        let uniform = Distribution::Uniform(-1.0, 1.0);
-        // Rows without an adapter, runs of one slot and neighbours of different slots.
-        let token_slots = (0..rows)
-            .map(|r| match r % 7 {
-                0 => NO_SLOT,
-                _ => ((r / 5) % slots) as i32,
-            })
-            .collect();
-        let problem = Problem {
-            in_features,
-            slices: vec![(out_features, rank)],
-            slots,
-            token_slots,
-        };
-        let round = |t: Tensor<2>| t.cast(dtype).cast(DType::F32);
-        let mut data = problem.data(&cpu).cast(dtype).cast(DType::F32);
-        data.base = Tensor::zeros([rows, out_features], &cpu.device);
-        let weight_t = round(Tensor::random(
-            [in_features, out_features],
-            uniform,
-            &cpu.device,
-        ));
-        let bias =
-            round(Tensor::random([1, out_features], uniform, &cpu.device)).reshape([out_features]);
-        (problem, data, weight_t, bias)
-    }
-
-    /// `linear_lora` with our linear `shader` against float64: the product's f32 sums within
-    /// Higham's bound γ(in + 1) · (Σ|x·w| + |b|) (twice `u` for tensor cores, which may
-    /// truncate), the LoRA delta within [`reference`]'s, and the one rounding of the output to
-    /// `dtype`; rows without an adapter equal the product of the same kernel without the
-    /// epilogue.
+    /// `linear_lora` with our linear `shader` against float64 (with `apart`, the same op run
+    /// apart, `FusedLinear::apart`): the product's f32 sums within Higham's bound
+    /// γ(in + 1) · (Σ|x·w| + |b|) (twice `u` for tensor cores, which may truncate), the LoRA
+    /// delta within [`reference`]'s, and the one rounding of the output to `dtype` (apart, two:
+    /// the product's and the sum's); rows without an adapter equal the product of the same
+    /// kernel without the epilogue.
     fn check_fused(
         gpu: &device::RuntimeDevice,
         shader: LinearShader,
         shape: [usize; 3],
         lora: (usize, usize),
         dtype: DType,
+        apart: bool,
     ) {
         let [rows, in_features, out_features] = shape;
         let (problem, data, weight_t, bias) = fused_layer(shape, lora, dtype);
@@ -719,16 +682,13 @@ mod tests {
             bias.to_device(&gpu.device).cast(dtype),
         );
         let batch = LoraBatch::new(problem.meta(), gpu);
-        let fused = linear_lora(
-            on.x.clone(),
-            &weight_t,
-            &bias,
-            &on.slices[0],
-            &batch,
-            shader,
-        )
-        .expect("the shader takes the product")
-        .unwrap();
+        let fused = fuse(&on.x, &weight_t, &bias, &on.slices[0], &batch, shader)
+            .unwrap()
+            .expect("the shader takes the product");
+        let fused = match apart {
+            true => fused.apart(on.x.clone()),
+            false => fused.run(on.x.clone()),
+        };
         let fused = to_f64(&fused.cast(DType::F32));
         let plain: Tensor<2> = Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_wgsl(
             on.x.into_dispatch(),
@@ -743,7 +703,8 @@ mod tests {
                 let i = row * out_features + o;
                 let at = || {
                     format!(
-                        "{shader:?} {rows}×{in_features}→{out_features}, rank {}, {dtype:?}: y[{row}, {o}]",
+                        "{shader:?}{} {rows}×{in_features}→{out_features}, rank {}, {dtype:?}: y[{row}, {o}]",
+                        if apart { " apart" } else { "" },
                         lora.1
                     )
                 };
@@ -759,11 +720,15 @@ mod tests {
                 let magnitude = terms.map(f64::abs).sum::<f64>() + b[o].abs();
                 let expected = product + delta.y[i];
                 // `reference` bounds the delta's sums and its own rounding; the output's is
-                // rounding's.
-                let bound = gamma * magnitude + delta.bound[i] + rounding * expected.abs();
+                // rounding's, and apart the product's too.
+                let roundings = match apart {
+                    true => rounding * (expected.abs() + (product.abs() + gamma * magnitude)),
+                    false => rounding * expected.abs(),
+                };
+                let bound = gamma * magnitude + delta.bound[i] + roundings;
                 assert!(
                     (fused[i] - expected).abs() <= bound,
-                    "{}: fused {} vs {expected} (bound {bound:e})",
+                    "{}: {} vs {expected} (bound {bound:e})",
                     at(),
                     fused[i]
                 );
@@ -804,9 +769,13 @@ mod tests {
             };
             for &dtype in dtypes {
                 for lora in [(3, 4), (5, 16)] {
-                    check_fused(&gpu, shader, [133, 96, 272], lora, dtype);
+                    check_fused(&gpu, shader, [133, 96, 272], lora, dtype, false);
                 }
-                check_fused(&gpu, shader, [20, 1280, 3840], (8, 16), dtype);
+                check_fused(&gpu, shader, [20, 1280, 3840], (8, 16), dtype, false);
+                // What the fusion is timed against (`fusion`), once per dtype.
+                if shader == LinearShader::Tiled {
+                    check_fused(&gpu, shader, [133, 96, 272], (5, 16), dtype, true);
+                }
             }
         }
     }
@@ -855,6 +824,8 @@ mod tests {
         assert!(run(tiled, (2, 4), some_rows(), 32).is_some_and(|y| y.is_ok()));
     }
 
+    /// Every shader parses and validates with naga, in every specialisation the runtime uses,
+    /// and translates to SPIR-V, MSL and HLSL; no file under `shaders/` goes unchecked.
     #[test]
     fn shaders_validate_and_translate_to_every_backend() {
         let on_disk: Vec<String> =
