@@ -110,8 +110,8 @@ step linear-kernels 120 env RUST_LOG=mmlora=info \
 step coop-f16 90 "${bench[@]}" --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 \
     --linear-kernel coop
 # Where the time goes: each stage clocked (products in TFLOP/s, against the fp32 ALU peak of ~67
-# and cuBLAS's 50.3), with auto's linears and auto's LoRA shrink (`split` or `wide` per shape,
-# timed; the picks logged at info).
+# and cuBLAS's 50.3), with auto's linears, auto's LoRA shrink (`split` or `wide` per shape,
+# timed) and auto's fusion of the op (fused or apart per shape, timed); the picks logged at info.
 step stages 90 env RUST_LOG=mmlora=info \
     "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto
 # The same with the wide LoRA kernels on every shape, against the step above's picks.
@@ -198,13 +198,14 @@ with tarfile.open(sys.argv[1]) as results:
                 continue
             print(" ".join(f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}"
                            for k in keys if k in record))
-    # What auto's timing picked, per shape: the linears' kernels and the LoRA shrink.
+    # What auto's timing picked, per shape: the linears' kernels, the LoRA shrink, and whether
+    # the op runs fused.
     for name in ["stages", "stages-f16"]:
         lines = step_lines(results, f"{name}.log")
         if lines is None:
             continue
         print(f"== {name} picks")
         for line in lines:
-            if "kernels timed" in line:
+            if "kernels timed" in line or "timed fused and apart" in line:
                 print(line.split(": ", 1)[-1][:240])
 PY
