@@ -74,12 +74,42 @@ struct Block {
     fc2: LoraLinear,
 }
 
+/// The paths of a block's linears within it, in [`Block::linears`]'s order.
+const BLOCK_LINEARS: [&str; 4] = ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"];
+
+impl Block {
+    /// The block's linears, in [`BLOCK_LINEARS`]'s order.
+    fn linears(&self) -> [&LoraLinear; 4] {
+        [&self.qkv, &self.proj, &self.fc1, &self.fc2]
+    }
+
+    /// The same, to change.
+    fn linears_mut(&mut self) -> [&mut LoraLinear; 4] {
+        [&mut self.qkv, &mut self.proj, &mut self.fc1, &mut self.fc2]
+    }
+}
+
 /// The PatchMerger: LayerNorm, 2×2 rows into one, MLP.
 #[derive(Debug, Clone)]
 struct Merger {
     ln_q: LayerNorm,
     mlp0: LoraLinear,
     mlp2: LoraLinear,
+}
+
+/// The paths of the merger's linears, in [`Merger::linears`]'s order.
+const MERGER_LINEARS: [&str; 2] = ["merger.mlp.0", "merger.mlp.2"];
+
+impl Merger {
+    /// The merger's linears, in [`MERGER_LINEARS`]'s order.
+    fn linears(&self) -> [&LoraLinear; 2] {
+        [&self.mlp0, &self.mlp2]
+    }
+
+    /// The same, to change.
+    fn linears_mut(&mut self) -> [&mut LoraLinear; 2] {
+        [&mut self.mlp0, &mut self.mlp2]
+    }
 }
 
 /// The tower's and the connector's outputs for a batch.
@@ -258,18 +288,9 @@ impl Qwen2VlVision {
 
     /// Computes every linear's base product with the kernel `kernel` picks.
     pub fn set_linear_kernel(&mut self, kernel: LinearChoice) {
-        for block in &mut self.blocks {
-            for layer in [
-                &mut block.qkv,
-                &mut block.proj,
-                &mut block.fc1,
-                &mut block.fc2,
-            ] {
-                layer.set_kernel(kernel);
-            }
+        for (_, layer) in self.linears_mut() {
+            layer.set_kernel(kernel);
         }
-        self.merger.mlp0.set_kernel(kernel);
-        self.merger.mlp2.set_kernel(kernel);
     }
 
     /// Computes attention with `kernel`.
@@ -335,41 +356,28 @@ impl Qwen2VlVision {
 
     /// Every linear with its path, in [`Self::lora_targets`]'s order (each is a target).
     fn linears(&self) -> impl Iterator<Item = (String, &LoraLinear)> {
-        let blocks = self.blocks.iter().enumerate().flat_map(|(i, b)| {
-            [
-                ("attn.qkv", &b.qkv),
-                ("attn.proj", &b.proj),
-                ("mlp.fc1", &b.fc1),
-                ("mlp.fc2", &b.fc2),
-            ]
-            .map(|(name, linear)| (format!("blocks.{i}.{name}"), linear))
+        let blocks = self.blocks.iter().enumerate().flat_map(|(i, block)| {
+            let paths = BLOCK_LINEARS.map(|name| format!("blocks.{i}.{name}"));
+            paths.into_iter().zip(block.linears())
         });
-        let merger = [
-            ("merger.mlp.0".to_owned(), &self.merger.mlp0),
-            ("merger.mlp.2".to_owned(), &self.merger.mlp2),
-        ];
-        blocks.chain(merger)
+        let merger = MERGER_LINEARS.map(str::to_owned).into_iter();
+        blocks.chain(merger.zip(self.merger.linears()))
+    }
+
+    /// The same, to change.
+    fn linears_mut(&mut self) -> impl Iterator<Item = (String, &mut LoraLinear)> {
+        let blocks = self.blocks.iter_mut().enumerate().flat_map(|(i, block)| {
+            let paths = BLOCK_LINEARS.map(|name| format!("blocks.{i}.{name}"));
+            paths.into_iter().zip(block.linears_mut())
+        });
+        let merger = MERGER_LINEARS.map(str::to_owned).into_iter();
+        blocks.chain(merger.zip(self.merger.linears_mut()))
     }
 
     /// The target linear at `path` (as listed by [`Self::lora_targets`]).
     pub fn target_mut(&mut self, path: &str) -> Option<&mut LoraLinear> {
-        if let Some(rest) = path.strip_prefix("merger.") {
-            return match rest {
-                "mlp.0" => Some(&mut self.merger.mlp0),
-                "mlp.2" => Some(&mut self.merger.mlp2),
-                _ => None,
-            };
-        }
-        let rest = path.strip_prefix("blocks.")?;
-        let (index, name) = rest.split_once('.')?;
-        let block = self.blocks.get_mut(index.parse::<usize>().ok()?)?;
-        match name {
-            "attn.qkv" => Some(&mut block.qkv),
-            "attn.proj" => Some(&mut block.proj),
-            "mlp.fc1" => Some(&mut block.fc1),
-            "mlp.fc2" => Some(&mut block.fc2),
-            _ => None,
-        }
+        self.linears_mut()
+            .find_map(|(target, layer)| (target == path).then_some(layer))
     }
 
     /// Runs the tower and the connector over every image of the batch at once.
@@ -578,4 +586,39 @@ impl WeightSource for RandomWeights<'_> {
 /// Uploads host values as a tensor of `shape`.
 fn host_tensor(values: Vec<f32>, shape: [usize; 3], device: &Device) -> Tensor<3> {
     Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::Preset;
+    use crate::device;
+
+    /// Every LoRA target the config lists is a linear of the model, of the target's widths, at
+    /// the target's path, in the config's order; no other path is.
+    #[test]
+    fn each_target_path_names_its_linear() {
+        let mut model = Qwen2VlVision::random(Preset::Tiny.config(), &device::cpu().device);
+        let targets = model.lora_targets();
+        let paths: Vec<String> = model.linears().map(|(path, _)| path).collect();
+        let target_paths: Vec<&String> = targets.iter().map(|t| &t.path).collect();
+        assert_eq!(paths.iter().collect::<Vec<_>>(), target_paths);
+        for target in &targets {
+            let layer = model.target_mut(&target.path).unwrap();
+            assert_eq!(
+                layer.dims(),
+                (target.in_features, target.out_features),
+                "{}",
+                target.path
+            );
+        }
+        for path in [
+            "blocks.0.attn",
+            "blocks.99.mlp.fc1",
+            "merger.mlp.1",
+            "blocks.x.mlp.fc1",
+        ] {
+            assert!(model.target_mut(path).is_none(), "{path}");
+        }
+    }
 }
