@@ -11,22 +11,29 @@ var<workgroup> staged: array<f32, SUBGROUPS * 256u>;
 
 // Writes every subgroup's staged matrix, plus the bias and each row's LoRA delta, to y where
 // the row and column exist: the one at rows `tile_row` and columns `tile_column` of each
-// subgroup's cell.
+// subgroup's cell. Each thread stores LORA_STORE_ROWS rows of one vec4 column at a time: four
+// where the LoRA epilogue is pasted in, so that lora_deltas shares each load of B between them
+// (rows of an image have one slot); one where it is not.
 fn store_staged(row0: u32, column0_4: u32, tile_row: u32, tile_column: u32, lid: u32, out4: u32) {
-    for (var e = lid; e < SUBGROUPS * 64u; e += WORKGROUP) {
-        let cell = e / 64u;
-        let r = (e % 64u) / 4u;
+    let row_groups = 16u / LORA_STORE_ROWS;
+    for (var e = lid; e < SUBGROUPS * row_groups * 4u; e += WORKGROUP) {
+        let cell = e / (row_groups * 4u);
+        let r0 = ((e / 4u) % row_groups) * LORA_STORE_ROWS;
         let c4 = e % 4u;
         let place_row = row0 + (cell / SUBGROUP_COLUMNS) * CELL_ROWS + tile_row;
         let place_column4 = column0_4 + ((cell % SUBGROUP_COLUMNS) * CELL_COLUMNS + tile_column) / 4u;
-        let row = matrix_row(place_row) + r;
+        let first_row = matrix_row(place_row) + r0;
         let column4 = matrix_column4(place_column4, out4) + c4;
-        let ours = row >= place_row && column4 >= place_column4;
-        if (ours && row < params.rows && column4 < out4) {
-            let at = cell * 256u + r * 16u + c4 * 4u;
-            let sums = vec4<f32>(staged[at], staged[at + 1u], staged[at + 2u], staged[at + 3u]);
-            let delta = lora_delta(row, column4, out4);
-            y[row * out4 + column4] = vec4<f16>(sums + vec4<f32>(bias[column4]) + delta);
+        if (column4 >= place_column4 && column4 < out4) {
+            var deltas = lora_deltas(first_row, column4, out4);
+            for (var i = 0u; i < LORA_STORE_ROWS; i++) {
+                let row = first_row + i;
+                if (row >= place_row && row < params.rows) {
+                    let at = cell * 256u + (r0 + i) * 16u + c4 * 4u;
+                    let sums = vec4<f32>(staged[at], staged[at + 1u], staged[at + 2u], staged[at + 3u]);
+                    y[row * out4 + column4] = vec4<f16>(sums + vec4<f32>(bias[column4]) + deltas[i]);
+                }
+            }
         }
     }
 }

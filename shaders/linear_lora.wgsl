@@ -10,13 +10,16 @@
 // delta is summed in f32 and added to the product's f32 sums along with the bias, so the output
 // is rounded to ELEM once.
 //
-// Every width is a multiple of 4, the rank included. Params carries lora_rank. A kernel that
-// stores four rows of a column at a time (linear_tiled.wgsl) takes lora_deltas, which shares
-// the loads of B between them; the others take lora_delta, row by row.
+// Every width is a multiple of 4, the rank included. Params carries lora_rank. The kernels store
+// four rows of a column at a time (linear_tiled.wgsl always, the coop store where this file is
+// pasted in: LORA_STORE_ROWS) and take lora_deltas, which shares the loads of B between them.
 
 @group(0) @binding(4) var<storage, read_write> shrunk: array<vec4<f32>>;  // [rows, rank / 4]
 @group(0) @binding(5) var<storage, read_write> lora_b: array<vec4<ELEM>>; // [slots, out, rank / 4]
 @group(0) @binding(6) var<storage, read_write> row_slots: array<i32>;     // [rows]
+
+// Rows of one vec4 column that linear_coop_store.wgsl stores per thread: four, for lora_deltas.
+const LORA_STORE_ROWS: u32 = 4u;
 
 // Row `row`'s delta at vec4 column `column4` of y's `out4`: 4 · rank / 4 loads of B, rank / 4 of
 // shrunk.

@@ -987,10 +987,9 @@ impl KernelSource for LinearSource {
     }
 }
 
-/// What a linear kernel without the LoRA epilogue has where it says `lora`: deltas of zero.
-const NO_LORA: &str = "fn lora_delta(row: u32, column4: u32, out4: u32) -> vec4<f32> {
-    return vec4<f32>();
-}
+/// What a linear kernel without the LoRA epilogue has where it says `lora`: deltas of zero, and
+/// the coop store storing one row per thread.
+const NO_LORA: &str = "const LORA_STORE_ROWS: u32 = 1u;
 
 fn lora_deltas(row: u32, column4: u32, out4: u32) -> mat4x4<f32> {
     return mat4x4<f32>();
