@@ -175,12 +175,15 @@ mod tests {
         }
     }
 
-    /// A grayscale and an Adobe CMYK JPEG written by Pillow 11.3, each against Pillow's own
-    /// `Image.open(f).convert("RGB")` saved as PNG beside it: the same pixels exactly.
+    /// A grayscale and an Adobe CMYK JPEG written by Pillow 11.3, and an Adobe YCCK one
+    /// (transform 2, progressive, its chroma subsampled 2×2; written by libjpeg through
+    /// `mozjpeg`'s `Compress` from CMYK with `set_color_space(JCS_YCCK)`, since Pillow writes
+    /// none), each against Pillow 11.3's own `Image.open(f).convert("RGB")` saved as PNG beside
+    /// it: the same pixels exactly.
     #[test]
-    fn grayscale_and_cmyk_decode_as_pillow_converts_them() {
+    fn grayscale_cmyk_and_ycck_decode_as_pillow_converts_them() {
         let root = env!("CARGO_MANIFEST_DIR");
-        for name in ["gray", "cmyk"] {
+        for name in ["gray", "cmyk", "ycck"] {
             let jpeg = std::fs::read(format!("{root}/tests/data/{name}.jpg")).unwrap();
             let ours = decode_rgb(&jpeg, 1 << 20).unwrap_or_else(|e| panic!("{name}: {e:?}"));
             let pillow = image::open(format!("{root}/tests/data/{name}-pillow.png"))
