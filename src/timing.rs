@@ -13,16 +13,29 @@ pub const TIMED_RUNS: usize = 3;
 /// The median time of [`TIMED_RUNS`] runs of `run`, each between device syncs, or the
 /// device's error.
 pub fn median_time(device: &Device, run: impl Fn() -> Tensor<2>) -> Result<Duration, String> {
+    median_time_per_call(device, 1, run)
+}
+
+/// The median time per call of [`TIMED_RUNS`] runs of `calls` calls of `run` each, back to back
+/// between device syncs (as a forward pass runs its layers: where one call takes about what a
+/// sync does, the sync's own time and its jitter weigh less), or the device's error. The
+/// `calls` outputs are held until the sync.
+pub fn median_time_per_call(
+    device: &Device,
+    calls: usize,
+    run: impl Fn() -> Tensor<2>,
+) -> Result<Duration, String> {
     let sync = || device.sync().map_err(|e| e.to_string());
     sync()?;
+    let calls = calls.max(1);
     let mut times = Vec::with_capacity(TIMED_RUNS);
     for _ in 0..TIMED_RUNS {
         let started = Instant::now();
-        // Kept until the sync, so the work behind it cannot be dropped unrun.
-        let output = run();
+        // Kept until the sync, so the work behind them cannot be dropped unrun.
+        let outputs: Vec<Tensor<2>> = (0..calls).map(|_| run()).collect();
         sync()?;
-        times.push(started.elapsed());
-        drop(output);
+        times.push(started.elapsed() / calls as u32);
+        drop(outputs);
     }
     times.sort();
     Ok(times[TIMED_RUNS / 2])

@@ -4,13 +4,16 @@
 //!
 //! Fused ([`FusedLinear::run`]), the linear kernel's epilogue adds each row's delta as it
 //! stores the row, which saves the expand's launch and its pass over the output; but it loads
-//! `B[slot]` for every row it stores, where the expand loads it once per tile of rows. Which
-//! costs more hangs on the GPU and the shape: on lavapipe the epilogue in `linear.wgsl` cost
-//! 12.8 % of the base product where the op apart cost 2.1 %. So the first time a shape runs
-//! with adapter rows, the op runs both ways on that call's own inputs, once each (its
-//! pipelines compiled, one value of its output read back, so that a failure shows), then
-//! [`TIMED_RUNS`] more times between device syncs; the median time is its time, and the faster
-//! way is kept for the shape.
+//! `B[slot]` for every four rows it stores (every row, where they mix slots), where the expand
+//! loads it once per tile of 16 rows. Which costs more hangs on the GPU and the shape: on
+//! lavapipe an epilogue in `linear.wgsl` that loaded `B` for every row cost 12.8 % of the base
+//! product where the op apart cost 2.1 %. So the first time a shape runs with adapter rows, the
+//! op runs both ways on that call's own inputs, once each (its pipelines compiled, one value of
+//! its output read back, so that a failure shows), then [`TIMED_RUNS`] times
+//! [`BACK_TO_BACK_CALLS`] calls back to back between device syncs; the median time per call is
+//! its time, and the faster way is kept for the shape. Back to back, since the two ways differ
+//! by a few percent of a call, and on the H200 a sync alone takes about 0.37 ms, a third of a
+//! 2048-row `attn.qkv` product in f32: one call at a time, the syncs' jitter could decide.
 //!
 //! The choices are kept for the process, per device, dtype, linear shader and shape: rows
 //! rounded up to a power of two, the input and output widths and the rank. Both ways are
@@ -29,7 +32,7 @@ use burn::tensor::{DType, Tensor};
 
 use super::FusedLinear;
 use crate::model::gemm::LinearShader;
-use crate::timing::{TIMED_RUNS, first_run, median_time};
+use crate::timing::{TIMED_RUNS, first_run, median_time_per_call};
 
 /// A shape choices are kept for.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -61,6 +64,9 @@ impl ShapeKey {
     }
 }
 
+/// Calls of each way per timed run, back to back between two device syncs.
+pub const BACK_TO_BACK_CALLS: usize = 4;
+
 /// Whether each shape runs fused, so far.
 static KEPT: LazyLock<Mutex<HashMap<ShapeKey, bool>>> = LazyLock::new(Mutex::default);
 
@@ -77,8 +83,9 @@ pub fn fuses(x: &Tensor<2>, fused: &FusedLinear<'_>) -> (bool, Option<Times>) {
         return (fuses, None);
     }
     let device = x.device();
-    let time =
-        |run: &dyn Fn() -> Tensor<2>| first_run(run()).and_then(|()| median_time(&device, run));
+    let time = |run: &dyn Fn() -> Tensor<2>| {
+        first_run(run()).and_then(|()| median_time_per_call(&device, BACK_TO_BACK_CALLS, run))
+    };
     let times = [
         time(&|| fused.run(x.clone())),
         time(&|| fused.apart(x.clone())),
@@ -107,6 +114,7 @@ pub fn fuses(x: &Tensor<2>, fused: &FusedLinear<'_>) -> (bool, Option<Times>) {
         fused = fused_report,
         apart = apart_report,
         runs = TIMED_RUNS,
+        calls = BACK_TO_BACK_CALLS,
         "LoRA op timed fused and apart"
     );
     kept.insert(key, fuses);
