@@ -28,6 +28,7 @@ use crate::lora::ops::{LoraBatch, LoraSlice, ShrinkKernel, choice, lora_apply};
 use crate::model::gemm::LinearKernel;
 use crate::model::linear_choice::LinearChoice;
 use crate::model::qwen2_vl::{DEFAULT_BUFFER_LIMIT, VisionConfig};
+use crate::timing::time_per_call;
 
 /// Output columns of the narrow op: its expand adds a vector of four values to each row.
 pub const NARROW_COLUMNS: usize = 4;
@@ -170,7 +171,9 @@ impl OpInputs {
 
     /// `base` plus each row's LoRA delta through the op.
     pub fn lora(&self, base: Tensor<2>) -> Tensor<2> {
-        self.apply(base, &self.slice)
+        self.layer
+            .add_lora(self.x.clone(), base, &self.batch)
+            .expect("inputs built for the op")
     }
 
     /// `base` plus each row's LoRA delta onto its first [`NARROW_COLUMNS`] columns alone,
@@ -251,16 +254,10 @@ pub fn timed(on: &RuntimeDevice, iters: u64, mut f: impl FnMut() -> Tensor<2>) -
     start.elapsed()
 }
 
-/// The time per call of `f` run `calls` times back to back, the device waited for before the
-/// first and after the last; the outputs are held until then, so none is left unrun.
+/// The time per call of `f` run `calls` times back to back between two device syncs
+/// ([`time_per_call`]).
 pub fn back_to_back(on: &RuntimeDevice, calls: u32, f: impl Fn() -> Tensor<2>) -> Duration {
-    on.device.sync().expect("the device runs");
-    let start = Instant::now();
-    let outputs: Vec<Tensor<2>> = (0..calls).map(|_| f()).collect();
-    on.device.sync().expect("the device runs");
-    let elapsed = start.elapsed();
-    drop(outputs);
-    elapsed / calls.max(1)
+    time_per_call(&on.device, calls as usize, f).expect("the device runs")
 }
 
 /// The op's timings at one shape.

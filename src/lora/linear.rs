@@ -115,10 +115,8 @@ impl LoraLinear {
         x: Tensor<2>,
         batch: &LoraBatch,
     ) -> Option<Result<Tensor<2>, LoraOpError>> {
-        match self.fuse(&x, batch)? {
-            Ok(fused) => Some(Ok(fused.run(x))),
-            Err(error) => Some(Err(error)),
-        }
+        self.fuse(&x, batch)
+            .map(|fused| fused.map(|fused| fused.run(x)))
     }
 
     /// The checked op fused into the kernel picked for `x`'s shape ([`fuse`]): `None` where
