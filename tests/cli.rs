@@ -477,6 +477,8 @@ fn bench_prints_one_json_object_per_configuration() {
         "1",
         "--op-rows",
         "64",
+        "--op-mix",
+        "rows,runs",
         "--json",
         "--plot",
         plot.to_str().unwrap(),
@@ -486,7 +488,8 @@ fn bench_prints_one_json_object_per_configuration() {
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
         .collect();
     let (ops, records): (Vec<_>, Vec<_>) = lines.into_iter().partition(|l| l["kind"] == "op");
-    assert_eq!(ops.len(), 1, "{ops:?}");
+    let mixes: Vec<_> = ops.iter().map(|op| op["op_mix"].as_str()).collect();
+    assert_eq!(mixes, [Some("rows"), Some("runs")], "{ops:?}");
     for field in [
         "rows",
         "rank",
@@ -509,12 +512,16 @@ fn bench_prints_one_json_object_per_configuration() {
         "fused_back_to_back_ms",
         "fused_back_to_back_overhead",
     ] {
-        assert!(!ops[0][field].is_null(), "{field} missing in {}", ops[0]);
+        for op in &ops {
+            assert!(!op[field].is_null(), "{field} missing in {op}");
+        }
     }
-    assert_eq!(
-        (ops[0]["rows"].as_u64(), ops[0]["adapters"].as_u64()),
-        (Some(64), Some(2))
-    );
+    for op in &ops {
+        assert_eq!(
+            (op["rows"].as_u64(), op["adapters"].as_u64()),
+            (Some(64), Some(2))
+        );
+    }
     let plot = image::open(&plot).unwrap();
     assert!(plot.width() >= 800 && plot.height() >= 500);
     let configurations: Vec<(u64, u64)> = records

@@ -1,7 +1,8 @@
 //! The LoRA op alone, on one device: the base linear it rides on (with its bias, and the kernel
 //! the engine would use), the base plus the op, and the base plus a naive
 //! gather-and-batched-matmul (each row's A and B gathered, two batched matmuls), at a preset's
-//! `attn.qkv` shape with the rows cycling through the adapters. Beside them, the base plus the
+//! `attn.qkv` shape with the adapters mixed among the rows one of two ways ([`OpMix`]): row by
+//! row, or in runs of rows as a batch's images hold them. Beside them, the base plus the
 //! op onto its first [`NARROW_COLUMNS`] output columns alone: the whole shrink with next to no
 //! expand, which tells the op's two launches apart; and the op fused into the base linear
 //! ([`LoraLinear::fused_where_it_fits`]: the shrink, then the linear kernel adding each row's
@@ -36,6 +37,37 @@ pub const NARROW_COLUMNS: usize = 4;
 /// Calls between two device syncs in [`back_to_back`] timings.
 pub const BACK_TO_BACK_CALLS: u32 = 10;
 
+/// How the op's rows take the adapters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum OpMix {
+    /// Row `r` takes adapter `r % adapters`: no two neighbouring rows share one, the worst case
+    /// for a kernel that shares an adapter's loads among neighbouring rows (the fused store).
+    #[default]
+    Rows,
+    /// The rows split into `adapters` runs of (nearly) equal length, one adapter each, as an
+    /// engine batch holds its images' tokens.
+    Runs,
+}
+
+impl OpMix {
+    /// The name the command line and the bench records use.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpMix::Rows => "rows",
+            OpMix::Runs => "runs",
+        }
+    }
+
+    /// Each of `rows` rows' adapter slot, with `adapters` adapters mixed.
+    pub fn token_slots(self, rows: usize, adapters: usize) -> Vec<i32> {
+        let slot = |r: usize| match self {
+            OpMix::Rows => r % adapters,
+            OpMix::Runs => r * adapters / rows,
+        };
+        (0..rows).map(|r| slot(r) as i32).collect()
+    }
+}
+
 /// One op problem: `rows × in_features → out_features`, `adapters` adapters of `rank`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OpShape {
@@ -47,8 +79,10 @@ pub struct OpShape {
     pub out_features: usize,
     /// Adapter rank.
     pub rank: usize,
-    /// Distinct adapters; row `r` uses adapter `r % adapters`.
+    /// Distinct adapters.
     pub adapters: usize,
+    /// How the rows take the adapters.
+    pub mix: OpMix,
     /// The float type of every tensor.
     pub precision: Precision,
     /// The base linear's kernel (resolved for the device when the inputs are made).
@@ -66,6 +100,7 @@ impl OpShape {
             out_features: 3 * config.embed_dim,
             rank,
             adapters,
+            mix: OpMix::Rows,
             precision: Precision::F32,
             linear_kernel: LinearKernel::Auto,
             lora_shrink: ShrinkKernel::Auto,
@@ -99,12 +134,13 @@ impl OpInputs {
             out_features,
             rank,
             adapters,
+            mix,
             precision,
             linear_kernel,
             lora_shrink,
         } = shape;
         let dtype = precision.dtype();
-        let token_slots: Vec<i32> = (0..rows).map(|r| (r % adapters) as i32).collect();
+        let token_slots = mix.token_slots(rows, adapters);
         let meta = KernelMeta::from_token_slots(token_slots.clone(), adapters)
             .expect("slots below the adapter count");
         let limit = on.buffer_limit.unwrap_or(DEFAULT_BUFFER_LIMIT);
@@ -279,6 +315,8 @@ pub struct OpRecord {
     pub rank: usize,
     /// Distinct adapters mixed.
     pub adapters: usize,
+    /// How the rows take the adapters: `rows` (row by row) or `runs` ([`OpMix`]).
+    pub op_mix: &'static str,
     /// `f32` or `f16`.
     pub precision: String,
     /// The base linear's kernel: `burn`, `wgsl` or `tiled`.
@@ -374,6 +412,7 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, repeats: usize) -> OpRecord {
         out_features: shape.out_features,
         rank: shape.rank,
         adapters: shape.adapters,
+        op_mix: shape.mix.name(),
         precision: shape.precision.name().to_owned(),
         linear_kernel: inputs.shape.linear_kernel.name().to_owned(),
         lora_shrink: super::shrink_name(shape.lora_shrink, on),
@@ -402,6 +441,21 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, repeats: usize) -> OpRecord {
 mod tests {
     use super::*;
     use crate::device;
+
+    #[test]
+    fn rows_take_the_adapters_in_turn_or_in_runs() {
+        assert_eq!(OpMix::Rows.token_slots(7, 3), [0, 1, 2, 0, 1, 2, 0]);
+        assert_eq!(OpMix::Runs.token_slots(7, 3), [0, 0, 0, 1, 1, 2, 2]);
+        assert_eq!(OpMix::Runs.token_slots(256, 8), {
+            let runs: Vec<i32> = (0..8).flat_map(|slot| [slot; 32]).collect();
+            runs
+        });
+        // Every adapter holds a row wherever there are as many rows as adapters.
+        for mix in [OpMix::Rows, OpMix::Runs] {
+            let slots = mix.token_slots(16, 16);
+            assert_eq!(slots, (0..16).collect::<Vec<i32>>(), "{mix:?}");
+        }
+    }
 
     #[test]
     fn auto_compares_both_hardware_kernels_on_a_hardware_gpu_alone() {

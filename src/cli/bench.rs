@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use mmlora::bench::op::OpShape;
+use mmlora::bench::op::{OpMix, OpShape};
 use mmlora::bench::scale::{self, ScaleSpec};
 use mmlora::bench::stages;
 use mmlora::bench::{self, BenchSpec, Preset};
@@ -71,6 +71,11 @@ pub struct BenchArgs {
     /// 256,1024 on a software GPU].
     #[arg(long, value_delimiter = ',')]
     op_rows: Option<Vec<usize>>,
+    /// How the LoRA op's rows take the adapters, comma-separated (rows: row by row, so no two
+    /// neighbouring rows share one; runs: one run of rows per adapter, as a batch's images
+    /// hold their tokens).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "rows")]
+    op_mix: Vec<OpMix>,
     /// Skip the LoRA op comparison.
     #[arg(long)]
     no_op: bool,
@@ -80,7 +85,7 @@ pub struct BenchArgs {
     /// Instead of the throughput set, sweep images per batch (at the base and with the most
     /// --adapters mixed) and then adapters loaded past the GPU slots; time and peak memory of
     /// each, at the first of --ranks [side default: 112].
-    #[arg(long, conflicts_with_all = ["plot", "op_rows", "no_op", "images"])]
+    #[arg(long, conflicts_with_all = ["plot", "op_rows", "op_mix", "no_op", "images"])]
     scale: bool,
     /// Images per batch in the --scale image sweep, comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = ScaleSpec::default().images)]
@@ -96,7 +101,7 @@ pub struct BenchArgs {
     /// attention, the LoRA op…) at the base and with the most --adapters mixed at the first of
     /// --ranks, with the products' TFLOP/s; the device is waited for after every stage, so
     /// plain passes run beside them for comparison.
-    #[arg(long, conflicts_with_all = ["plot", "op_rows", "no_op", "scale"])]
+    #[arg(long, conflicts_with_all = ["plot", "op_rows", "op_mix", "no_op", "scale"])]
     stages: bool,
 }
 
@@ -242,8 +247,9 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
             bench::op::BACK_TO_BACK_CALLS
         );
         println!(
-            "{:>6} {:>5} {:>9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
+            "{:>6} {:>4} {:>5} {:>9} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>10} {:>9} {:>9} {:>9}",
             "rows",
+            "mix",
             "rank",
             "shrink",
             "base",
@@ -259,14 +265,23 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
             "b2b fused"
         );
     }
+    let shrink_kernels = bench::op::shrink_kernels(spec.lora_shrink, &runtime);
+    let op_variants: Vec<(OpMix, ShrinkKernel)> = args
+        .op_mix
+        .iter()
+        .flat_map(|&mix| shrink_kernels.iter().map(move |&kernel| (mix, kernel)))
+        .collect();
     for &rank in &spec.ranks {
         for &rows in &op_rows {
-            for lora_shrink in bench::op::shrink_kernels(spec.lora_shrink, &runtime) {
+            for &(mix, lora_shrink) in &op_variants {
                 eprintln!(
-                    "the LoRA op alone: {rows} rows, rank {rank}, {mixed} adapters, {} shrink…",
+                    "the LoRA op alone: {rows} rows, rank {rank}, {mixed} adapters mixed by {}, \
+                     {} shrink…",
+                    mix.name(),
                     lora_shrink.name()
                 );
                 let shape = OpShape {
+                    mix,
                     precision: spec.precision,
                     linear_kernel: spec.linear_kernel,
                     lora_shrink,
@@ -277,8 +292,9 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                     println!("{}", json_line(&op));
                 } else {
                     println!(
-                        "{:>6} {:>5} {:>9} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>+8.1}% {:>+8.1}% {:>+8.1}% {:>10.3} {:>+8.1}% {:>+8.1}% {:>+8.1}%",
+                        "{:>6} {:>4} {:>5} {:>9} {:>10.2} {:>10.2} {:>10.2} {:>10.2} {:>+8.1}% {:>+8.1}% {:>+8.1}% {:>10.3} {:>+8.1}% {:>+8.1}% {:>+8.1}%",
                         op.rows,
+                        op.op_mix,
                         op.rank,
                         op.lora_shrink.as_deref().unwrap_or("native"),
                         op.base_ms,

@@ -103,9 +103,11 @@ step torch-fp32 120 "${torch_bench[@]}"
 step torch-bf16 90 "${torch_bench[@]}" --dtype bfloat16
 # The fastest linear kernel per shape (auto times Burn's and our tiled one, each checked against
 # Burn's first, its picks logged at info), and the base with each kernel alone beside it. The
-# op lines time the op apart and fused into the picked kernel side by side (`fused_*`).
+# op lines time the op apart and fused into the picked kernel side by side (`fused_*`), with the
+# adapters mixed row by row (the fused store's worst case) and in runs of rows (as images).
 step linear-kernels 120 env RUST_LOG=mmlora=info \
-    "${bench[@]}" --adapters 8 --ranks 16 --op-rows 256,4096,8192 --repeats 2 --linear-kernel auto
+    "${bench[@]}" --adapters 8 --ranks 16 --op-rows 256,4096,8192 --op-mix rows,runs --repeats 2 \
+    --linear-kernel auto
 # The f16 linears on cooperative matrices (the tensor cores).
 step coop-f16 90 "${bench[@]}" --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 \
     --linear-kernel coop
@@ -139,8 +141,8 @@ step attention-alone 60 env MMLORA_BENCH_IMAGES=$attention_images "$bin/attentio
 step linear-tests 120 env MMLORA_EXPECT_COOP=$expect_coop MMLORA_COOP_REPEATS=50 \
     "$bin/lib" model::gemm --nocapture
 step linear-kernels-f16 120 env RUST_LOG=mmlora=info \
-    "${bench[@]}" --adapters 8 --ranks 16 --op-rows 256,4096,8192 --repeats 2 --linear-kernel auto \
-    --precision f16
+    "${bench[@]}" --adapters 8 --ranks 16 --op-rows 256,4096,8192 --op-mix rows,runs --repeats 2 \
+    --linear-kernel auto --precision f16
 step stages-f16 90 env RUST_LOG=mmlora=info \
     "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto --precision f16
 # The engine against transformers + PEFT, isolation and the rest, on a real driver.
@@ -170,7 +172,7 @@ step engine-on-gl 60 env MMLORA_GRAPHICS_APIS=vulkan,gl "$bin/engine" every_othe
 cat "$OUT/steps.tsv"
 python3 - "$OUT/results.tar" <<'PY'
 import json, sys, tarfile
-keys = ["kind", "adapters", "rank", "rows", "precision", "linear_kernel", "lora_shrink", "attention_kernel",
+keys = ["kind", "adapters", "rank", "rows", "op_mix", "precision", "linear_kernel", "lora_shrink", "attention_kernel",
         "median_ms", "img_per_s",
         "ratio_vs_base", "base_ms", "lora_ms", "naive_ms", "lora_overhead",
         "narrow_lora_ms", "narrow_lora_overhead", "base_back_to_back_ms",
