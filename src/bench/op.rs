@@ -446,10 +446,8 @@ mod tests {
     fn rows_take_the_adapters_in_turn_or_in_runs() {
         assert_eq!(OpMix::Rows.token_slots(7, 3), [0, 1, 2, 0, 1, 2, 0]);
         assert_eq!(OpMix::Runs.token_slots(7, 3), [0, 0, 0, 1, 1, 2, 2]);
-        assert_eq!(OpMix::Runs.token_slots(256, 8), {
-            let runs: Vec<i32> = (0..8).flat_map(|slot| [slot; 32]).collect();
-            runs
-        });
+        let runs_of_32: Vec<i32> = (0..8).flat_map(|slot| [slot; 32]).collect();
+        assert_eq!(OpMix::Runs.token_slots(256, 8), runs_of_32);
         // Every adapter holds a row wherever there are as many rows as adapters.
         for mix in [OpMix::Rows, OpMix::Runs] {
             let slots = mix.token_slots(16, 16);
