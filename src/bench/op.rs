@@ -10,13 +10,12 @@
 //! so that the two ways the engine chooses between (`lora::ops::fusion`) are timed side by side.
 //!
 //! Each is timed as one call between device syncs, and all but the naive path also
-//! [`back_to_back`]: [`BACK_TO_BACK_CALLS`] calls between two syncs, as a forward pass runs its
+//! back to back ([`time_per_call`]): [`BACK_TO_BACK_CALLS`] calls between two syncs, as a forward pass runs its
 //! layers. On a hardware GPU a sync costs more than a small linear (about 0.37 ms on the H200,
 //! against about 0.1 ms for 256 rows of `attn.qkv`), so only the back-to-back times say what the
 //! op adds to a linear at few rows.
 
 use std::cell::Cell;
-use std::convert::Infallible;
 use std::time::{Duration, Instant};
 
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
@@ -34,7 +33,7 @@ use crate::timing::time_per_call;
 /// Output columns of the narrow op: its expand adds a vector of four values to each row.
 pub const NARROW_COLUMNS: usize = 4;
 
-/// Calls between two device syncs in [`back_to_back`] timings.
+/// Calls between two device syncs in the back-to-back timings.
 pub const BACK_TO_BACK_CALLS: u32 = 10;
 
 /// How the op's rows take the adapters.
@@ -215,7 +214,8 @@ impl OpInputs {
     /// `base` plus each row's LoRA delta onto its first [`NARROW_COLUMNS`] columns alone,
     /// through the op: the whole shrink, next to no expand.
     pub fn narrow_lora(&self, base: Tensor<2>) -> Tensor<2> {
-        self.apply(base, &self.narrow_slice)
+        let slices = std::slice::from_ref(&self.narrow_slice);
+        lora_apply(self.x.clone(), base, slices, &self.batch).expect("inputs built for the op")
     }
 
     /// The base linear with each row's LoRA delta fused into the base linear's kernel where
@@ -226,16 +226,6 @@ impl OpInputs {
             Some(y) => (y.expect("inputs built for the op"), true),
             None => (self.lora(self.base()), false),
         }
-    }
-
-    fn apply(&self, base: Tensor<2>, slice: &LoraSlice) -> Tensor<2> {
-        lora_apply(
-            self.x.clone(),
-            base,
-            std::slice::from_ref(slice),
-            &self.batch,
-        )
-        .expect("inputs built for the op")
     }
 
     /// `base` plus each row's LoRA delta by gathering its A and B and two batched matmuls.
@@ -288,12 +278,6 @@ pub fn timed(on: &RuntimeDevice, iters: u64, mut f: impl FnMut() -> Tensor<2>) -
         drop(y);
     }
     start.elapsed()
-}
-
-/// The time per call of `f` run `calls` times back to back between two device syncs
-/// ([`time_per_call`]).
-pub fn back_to_back(on: &RuntimeDevice, calls: u32, f: impl Fn() -> Tensor<2>) -> Duration {
-    time_per_call(&on.device, calls as usize, f).expect("the device runs")
 }
 
 /// The op's timings at one shape.
@@ -397,10 +381,11 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, repeats: usize) -> OpRecord {
     for (variant, _) in variants {
         timed(on, 1, variant);
     }
-    let Ok(times) = super::in_turns(variants.len(), repeats, |i, _| {
+    let times = super::in_turns(variants.len(), repeats, |i, _| {
         let (variant, calls) = variants[i];
-        Ok::<_, Infallible>(back_to_back(on, calls, variant).as_secs_f64() * 1e3)
-    });
+        time_per_call(&on.device, calls as usize, variant).map(|time| time.as_secs_f64() * 1e3)
+    })
+    .expect("the device runs");
     let [base, lora, naive, narrow, fused] = [0, 1, 2, 3, 4].map(|i| &times[i]);
     let [base_b2b, lora_b2b, narrow_b2b, fused_b2b] = [5, 6, 7, 8].map(|i| &times[i]);
     OpRecord {
