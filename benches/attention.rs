@@ -1,18 +1,19 @@
 //! Attention within images on the GPU wgpu finds: Burn's composition (two batched matmuls around
-//! a softmax, every score written out) against the fused kernel (`shaders/attention.wgsl`), in
-//! f32 and, where the device has `SHADER_F16`, f16, at Qwen2-VL-2B's heads (16 of 80 values)
-//! over images of 448² (1024 patches each). Throughput is in floating-point operations of the
-//! two products (`4 · images · heads · 1024² · 80` per call): criterion's `elem/s` are FLOP/s.
-//! `cargo bench --bench attention` runs one image; `MMLORA_BENCH_IMAGES=8` the H200's eight.
-//! Criterion's `--warm-up-time` and `--measurement-time` override `common::config`'s 2 s and 10 s.
+//! a softmax, every score written out) against the fused kernel
+//! (`shaders/attention/attention.wgsl`), in f32 and, where the device has `SHADER_F16`, f16, at
+//! Qwen2-VL-2B's heads (16 of 80 values) over images of 448² (1024 patches each). Throughput is in
+//! floating-point operations of the two products (`4 · images · heads · 1024² · 80` per call):
+//! criterion's `elem/s` are FLOP/s. `cargo bench --bench attention` runs one image;
+//! `MMLORA_BENCH_IMAGES=8` the H200's eight. Criterion's `--warm-up-time` and `--measurement-time`
+//! override `common::config`'s 2 s and 10 s.
 
 mod common;
 
 use burn::tensor::{Distribution, Tensor};
 use criterion::{Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
 use mmlora::bench::op::timed;
-use mmlora::device::Precision;
-use mmlora::model::sdpa::{AttentionKernel, attend};
+use mmlora::ops::attention::{AttentionKernel, attend};
+use mmlora::runtime::device::Precision;
 
 /// Patches of one 448² image.
 const LEN: usize = 1024;

@@ -1,19 +1,20 @@
 //! The linear layers' base product `x · Wᵀ + b` on the GPU wgpu finds: Burn's matmul and add
-//! against our kernels (`shaders/linear.wgsl`, `shaders/linear_tiled.wgsl`, and in f16 on a
-//! device with cooperative matrices `shaders/linear_coop.wgsl` and `linear_coop_direct.wgsl`), in
-//! f32 and, where the device has `SHADER_F16`, f16, at each linear shape of Qwen2-VL-2B's tower
-//! and merger. Throughput is in floating-point operations (`2 · rows · in · out` per call):
-//! criterion's `elem/s` are FLOP/s. `cargo bench --bench linear` runs the tower's at 512 rows (8 images of 112²);
-//! `MMLORA_BENCH_ROWS=8192` at 8 images of 448². The merger's see a quarter of the rows.
-//! Criterion's `--warm-up-time` and `--measurement-time` override `common::config`'s 2 s and 10 s.
+//! against our kernels (`shaders/linear/linear.wgsl`, `shaders/linear/linear_tiled.wgsl`, and in
+//! f16 on a device with cooperative matrices `shaders/linear/linear_coop.wgsl` and
+//! `linear_coop_direct.wgsl`), in f32 and, where the device has `SHADER_F16`, f16, at each linear
+//! shape of Qwen2-VL-2B's tower and merger. Throughput is in floating-point operations (`2 · rows ·
+//! in · out` per call): criterion's `elem/s` are FLOP/s. `cargo bench --bench linear` runs the
+//! tower's at 512 rows (8 images of 112²); `MMLORA_BENCH_ROWS=8192` at 8 images of 448². The
+//! merger's see a quarter of the rows. Criterion's `--warm-up-time` and `--measurement-time`
+//! override `common::config`'s 2 s and 10 s.
 
 mod common;
 
 use burn::tensor::{Distribution, Tensor};
 use criterion::{Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
 use mmlora::bench::op::timed;
-use mmlora::device::Precision;
-use mmlora::model::gemm::{LinearKernel, linear, materialize};
+use mmlora::ops::linear::{LinearKernel, linear, materialize};
+use mmlora::runtime::device::Precision;
 
 /// `(name, in, out)` of each linear of the 2B shape.
 const LAYERS: [(&str, usize, usize); 6] = [

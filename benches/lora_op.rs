@@ -7,9 +7,9 @@
 use std::time::Duration;
 
 use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
-use mmlora::bench::Preset;
 use mmlora::bench::op::{OpInputs, OpShape, timed};
-use mmlora::device::{self, RuntimeDevice};
+use mmlora::models::qwen2_vl::Preset;
+use mmlora::runtime::device::{self, RuntimeDevice};
 
 fn bench_device(c: &mut Criterion, on: &RuntimeDevice) {
     let shape = OpShape::qkv(&Preset::Qwen2Vl2b.config(), 1024, 16, 8);

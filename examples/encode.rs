@@ -5,8 +5,8 @@
 
 use std::path::PathBuf;
 
-use mmlora::device::{self, DeviceChoice};
 use mmlora::engine::{Engine, EngineOptions, ImageSource, Request};
+use mmlora::runtime::device::{self, DeviceChoice};
 
 /// On the CPU backend a caching allocator matters: see the README's "Choices".
 #[global_allocator]

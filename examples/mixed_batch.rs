@@ -3,10 +3,10 @@
 //! `cargo run --release --example mixed_batch`
 
 use burn::tensor::Tensor;
-use mmlora::device;
-use mmlora::lora::meta::{KernelMeta, NO_SLOT, SlotTable};
-use mmlora::lora::ops::{LoraBatch, LoraSlice, lora_apply};
-use mmlora::mapping::{LoraMapping, LoraMappingKind};
+use mmlora::ops::lora::{LoraBatch, LoraSlice, lora_apply};
+use mmlora::routing::mapping::{LoraMapping, LoraMappingKind};
+use mmlora::routing::meta::{KernelMeta, NO_SLOT, SlotTable};
+use mmlora::runtime::device;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let on = device::gpu().unwrap_or_else(|_| device::cpu());

@@ -21,9 +21,9 @@ use indexmap::IndexMap;
 use safetensors::SafeTensors;
 use serde::Deserialize;
 
-use crate::lora::ops::LoraSlice;
-use crate::model::checkpoint::{float_values, safetensors_failure};
-use crate::model::qwen2_vl::{LoraTarget, Qwen2VlVision};
+use crate::models::checkpoint::{float_values, safetensors_failure};
+use crate::models::qwen2_vl::{LoraTarget, Qwen2VlVision};
+use crate::ops::lora::LoraSlice;
 
 /// `target_modules`: a list of module-name suffixes or one regex.
 #[derive(Debug, Clone, PartialEq, Deserialize)]

@@ -11,12 +11,12 @@ use arbitrary::{Result, Unstructured};
 
 use crate::adapters::{AdapterConfig, PeftAdapter};
 use crate::engine::batch::{Batch, BatchError};
-use crate::lora::meta::{KernelMeta, NO_SLOT, SlotTable};
-use crate::mapping::{
+use crate::models::qwen2_vl::{LoraTarget, VisionConfig};
+use crate::routing::mapping::{
     AdapterId, AdapterRequest, EncoderCache, LoraState, MmFeature, Modality, NO_ADAPTER,
     PlaceholderRange, SpatialMergeCounts, set_active_mm_loras,
 };
-use crate::model::qwen2_vl::{LoraTarget, VisionConfig};
+use crate::routing::meta::{KernelMeta, NO_SLOT, SlotTable};
 
 /// The highest rank the adapter checks accept.
 const MAX_RANK: usize = 16;

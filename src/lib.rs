@@ -1,22 +1,29 @@
 //! mmlora: the vision tower and connector of a vision-language model with many LoRA adapters in
 //! one batch, on any GPU wgpu reaches and on the CPU.
 //!
-//! The modules follow the data flow of one batch (see `DESIGN.md`):
-//! requests → [`mapping`] (which adapter each tower/connector row belongs to) →
-//! [`lora::meta`] (rows grouped by adapter slot) → [`lora::ops`] (each row's LoRA delta, on the
-//! CPU backend or in our WGSL kernels). [`device`] picks the backend; [`wgsl`] launches our
-//! kernels on it; [`timing`] times the candidates of the kernels picked by measurement.
+//! The modules are layers, each importing only from the ones below it (`tests/layers.rs` checks
+//! this, and that no modules form a cycle); ARCHITECTURE.md walks one batch through them:
+//! - [`runtime`]: the device, the one WGSL launch path, Flex memory helpers, timing.
+//! - [`routing`]: which adapter each row belongs to ([`routing::mapping`], vLLM's
+//!   `set_active_mm_loras`) and the rows grouped by adapter slot ([`routing::meta`]).
+//! - [`preprocess`]: images to patches, as the model's image processor makes them.
+//! - [`ops`]: one folder per op (linear, LoRA, attention, norm, rotary, activation), each with
+//!   its backend extension, its fast paths and the composed reference beside them.
+//! - [`nn`]: the layers models are written in ([`nn::LoraLinear`]).
+//! - [`models`]: checkpoints and the vision towers built from those layers.
+//! - [`adapters`]: PEFT adapters, checked against a model and installed in its slots.
+//! - [`engine`]: requests in, embeddings out, one step at a time.
+//! - [`bench`], [`fuzzing`]: tooling the `mmlora` command and the fuzz targets share.
 
 pub mod adapters;
 pub mod bench;
-pub mod device;
 pub mod engine;
 pub mod files;
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod lora;
-pub mod mapping;
-pub mod model;
+pub mod models;
+pub mod nn;
+pub mod ops;
 pub mod preprocess;
-pub mod timing;
-pub mod wgsl;
+pub mod routing;
+pub mod runtime;

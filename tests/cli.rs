@@ -93,15 +93,27 @@ fn batch_reproduces_fixtures(device: &str, extra: &[&str], rel_tol: f64) {
     }
 }
 
+/// `encode` with no arguments, from a copy of the binary in a folder of its own, run from
+/// there: the bundled model, adapters, images and batch are inside the binary, not found
+/// through the checkout it was built in.
 #[test]
 fn encode_without_arguments_runs_the_bundled_batch() {
-    let out = mmlora(&["encode"]);
+    let elsewhere = tempfile::TempDir::new().unwrap();
+    let binary = elsewhere.path().join("mmlora");
+    std::fs::copy(env!("CARGO_BIN_EXE_mmlora"), &binary).unwrap();
+    let out = Command::new(&binary)
+        .arg("encode")
+        .current_dir(elsewhere.path())
+        .output()
+        .expect("the copied binary runs");
     let stdout = assert_success(&out);
+    let stderr = text(&out.stderr);
+    assert!(stderr.starts_with("device: "), "{stderr}");
     assert!(
-        text(&out.stderr).starts_with("device: "),
-        "{}",
-        text(&out.stderr)
+        stderr.contains("model: bundled tiny-qwen2-vl loaded"),
+        "{stderr}"
     );
+    assert_eq!(stdout.lines().count(), requests().len(), "{stdout}");
     for request in requests() {
         let line = stdout
             .lines()
@@ -126,7 +138,7 @@ fn encode_batch_reproduces_the_fixtures_on_cpu() {
 
 #[test]
 fn encode_batch_reproduces_the_fixtures_on_gpu() {
-    if mmlora::device::gpu_for_tests().is_none() {
+    if mmlora::runtime::device::gpu_for_tests().is_none() {
         return;
     }
     // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4.

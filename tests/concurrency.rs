@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use common::{copy_dir, edit_json, errors, fixture_dir};
-use mmlora::device::{self, RuntimeDevice};
 use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request, SharedEngine};
+use mmlora::runtime::device::{self, RuntimeDevice};
 
 fn adapter_dir(name: &str) -> PathBuf {
     fixture_dir().join("adapters").join(name)

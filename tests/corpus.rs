@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{copy_dir, edit_json, fixture_dir, keep, png_header, rewrite_safetensors};
-use mmlora::device;
 use mmlora::engine::batch::Batch;
 use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request};
+use mmlora::runtime::device;
 use safetensors::Dtype;
 
 /// What a case breaks, which decides how it is handed to the engine and to the CLI.

@@ -5,11 +5,11 @@
 mod common;
 
 use common::{errors, fixture_dir};
-use mmlora::device::{self, RuntimeDevice};
 use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request, SharedEngine};
-use mmlora::lora::ops::ShrinkKernel;
-use mmlora::model::gemm::LinearKernel;
+use mmlora::ops::linear::LinearKernel;
+use mmlora::ops::lora::ShrinkKernel;
 use mmlora::preprocess::Patches;
+use mmlora::runtime::device::{self, RuntimeDevice};
 
 fn probe() -> Vec<Request> {
     ["square.png", "wide.jpg"]

@@ -8,14 +8,14 @@ use std::path::PathBuf;
 
 use burn::tensor::wgpu::WgpuBackend;
 use common::{Expected, errors, fixture_dir, fixture_requests};
-use mmlora::device::{self, Precision, RuntimeDevice};
 use mmlora::engine::{
     Encoded, Engine, EngineError, EngineOptions, ImageSource, Request, SharedEngine,
 };
-use mmlora::lora::ops::ShrinkKernel;
-use mmlora::model::gemm::LinearKernel;
-use mmlora::model::sdpa::AttentionKernel;
+use mmlora::ops::attention::AttentionKernel;
+use mmlora::ops::linear::LinearKernel;
+use mmlora::ops::lora::ShrinkKernel;
 use mmlora::preprocess::{Patches, PreprocessConfig};
+use mmlora::runtime::device::{self, Precision, RuntimeDevice};
 
 const ADAPTERS: [&str; 4] = ["all-r4", "patterns", "rslora-r8", "tower-r2"];
 
@@ -777,7 +777,7 @@ fn options_that_cannot_work_are_refused() {
         ),
         (
             EngineOptions {
-                max_rank: mmlora::lora::ops::MAX_RANK + 1,
+                max_rank: mmlora::ops::lora::MAX_RANK + 1,
                 ..default()
             },
             "max_rank must be in",

@@ -11,10 +11,10 @@ use std::path::Path;
 use burn::tensor::{Tensor, TensorData};
 use common::{copy_dir, fixture_dir, keep, rewrite_safetensors};
 use mmlora::adapters::PeftAdapter;
-use mmlora::device;
-use mmlora::lora::meta::{KernelMeta, NO_SLOT};
-use mmlora::lora::ops::LoraBatch;
-use mmlora::model::qwen2_vl::{ModelError, Qwen2VlVision};
+use mmlora::models::qwen2_vl::{ModelError, Qwen2VlVision};
+use mmlora::ops::lora::LoraBatch;
+use mmlora::routing::meta::{KernelMeta, NO_SLOT};
+use mmlora::runtime::device;
 use safetensors::{Dtype, SafeTensors};
 use tempfile::TempDir;
 

@@ -8,10 +8,10 @@ use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
 use common::{OwnedTensor, write_safetensors};
-use mmlora::device;
-use mmlora::lora::meta::{KernelMeta, NO_SLOT};
-use mmlora::lora::ops::LoraBatch;
-use mmlora::model::qwen2_vl::Qwen2VlVision;
+use mmlora::models::qwen2_vl::Qwen2VlVision;
+use mmlora::ops::lora::LoraBatch;
+use mmlora::routing::meta::{KernelMeta, NO_SLOT};
+use mmlora::runtime::device;
 use safetensors::Dtype;
 
 /// Qwen2-VL-2B's vision config (hub spelling).

@@ -6,10 +6,10 @@ mod common;
 
 use burn::tensor::{Tensor, TensorData};
 use common::{Expected, errors, fixture_dir, requests};
-use mmlora::device::{self, RuntimeDevice};
-use mmlora::lora::meta::{KernelMeta, NO_SLOT};
-use mmlora::lora::ops::LoraBatch;
-use mmlora::model::qwen2_vl::{ModelError, Qwen2VlVision};
+use mmlora::models::qwen2_vl::{ModelError, Qwen2VlVision};
+use mmlora::ops::lora::LoraBatch;
+use mmlora::routing::meta::{KernelMeta, NO_SLOT};
+use mmlora::runtime::device::{self, RuntimeDevice};
 
 fn no_lora(rows: usize, device: &RuntimeDevice) -> LoraBatch {
     LoraBatch::new(

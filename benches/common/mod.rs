@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use criterion::Criterion;
-use mmlora::device::{self, RuntimeDevice};
+use mmlora::runtime::device::{self, RuntimeDevice};
 
 /// The GPU wgpu finds, named on standard error, or `None` (saying why) where it finds none.
 pub fn gpu() -> Option<RuntimeDevice> {

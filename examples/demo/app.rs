@@ -10,7 +10,7 @@ use eframe::egui::{
     Vec2, ViewportCommand,
 };
 use egui_plot::{Line, Plot, PlotPoints, Points};
-use mmlora::device::RuntimeDevice;
+use mmlora::runtime::device::RuntimeDevice;
 
 use crate::analysis::{Heat, RunResult};
 use crate::worker::{self, AdapterInfo, BatchRow, Compute, Job, Reply};

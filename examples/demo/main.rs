@@ -16,7 +16,7 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use eframe::egui_wgpu::{WgpuConfiguration, WgpuSetup, WgpuSetupExisting};
-use mmlora::device;
+use mmlora::runtime::device;
 
 /// The window can switch the compute to the CPU backend, where a caching allocator matters.
 #[global_allocator]

@@ -6,9 +6,9 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::time::Instant;
 
 use mmlora::adapters::PeftAdapter;
-use mmlora::device::{self, RuntimeDevice};
 use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request};
-use mmlora::model::qwen2_vl::LoraTarget;
+use mmlora::models::qwen2_vl::LoraTarget;
+use mmlora::runtime::device::{self, RuntimeDevice};
 
 use crate::analysis::{self, RunResult};
 

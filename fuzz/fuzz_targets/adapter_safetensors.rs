@@ -1,4 +1,5 @@
-//! `cargo fuzz run adapter_safetensors`: [`mmlora::fuzzing::adapter_safetensors`] on the fuzzer's bytes.
+//! `cargo fuzz run adapter_safetensors`: [`mmlora::fuzzing::adapter_safetensors`] on the fuzzer's
+//! bytes.
 
 #![no_main]
 

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::PeftAdapter;
-use crate::mapping::AdapterId;
+use crate::routing::mapping::AdapterId;
 
 /// Identifies one load of one adapter's content; doubles as the mapping's adapter id (never 0).
 pub type AdapterKey = AdapterId;

@@ -20,55 +20,13 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::adapters::{ModuleLora, PeftAdapter};
-use crate::device::{Precision, RuntimeDevice};
 use crate::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
-use crate::lora::ops::ShrinkKernel;
-use crate::model::gemm::LinearKernel;
-use crate::model::qwen2_vl::{DEFAULT_ROPE_THETA, LoraTarget, Qwen2VlVision, VisionConfig};
-use crate::model::sdpa::AttentionKernel;
+use crate::models::qwen2_vl::{LoraTarget, Preset, Qwen2VlVision, VisionConfig};
+use crate::ops::attention::AttentionKernel;
+use crate::ops::linear::LinearKernel;
+use crate::ops::lora::ShrinkKernel;
 use crate::preprocess::{Patches, PreprocessConfig, smart_resize};
-
-/// A model shape to benchmark.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Preset {
-    /// The bundled test model's shape: 2 blocks, width 32.
-    Tiny,
-    /// Qwen2-VL-2B's vision tower and merger: 32 blocks, width 1280, 16 heads, MLP 5120,
-    /// merger to 1536.
-    #[value(name = "qwen2-vl-2b")]
-    Qwen2Vl2b,
-}
-
-impl Preset {
-    /// The preset's name as the command line spells it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Tiny => "tiny",
-            Self::Qwen2Vl2b => "qwen2-vl-2b",
-        }
-    }
-
-    /// Its vision config.
-    pub fn config(self) -> VisionConfig {
-        let (depth, embed_dim, num_heads, hidden_size) = match self {
-            Self::Tiny => (2, 32, 2, 48),
-            Self::Qwen2Vl2b => (32, 1280, 16, 1536),
-        };
-        VisionConfig {
-            depth,
-            embed_dim,
-            hidden_size,
-            mlp_ratio: 4,
-            num_heads,
-            in_channels: 3,
-            patch_size: 14,
-            spatial_merge_size: 2,
-            temporal_patch_size: 2,
-            hidden_act: "quick_gelu".to_owned(),
-            rope_theta: DEFAULT_ROPE_THETA,
-        }
-    }
-}
+use crate::runtime::device::{Precision, RuntimeDevice};
 
 /// What to measure.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -543,7 +501,10 @@ mod tests {
             ..BenchSpec::default()
         };
         let mut seen = Vec::new();
-        let records = run(&spec, &crate::device::cpu(), |c| seen.push(c.to_owned())).unwrap();
+        let records = run(&spec, &crate::runtime::device::cpu(), |c| {
+            seen.push(c.to_owned())
+        })
+        .unwrap();
         let configurations: Vec<(usize, usize)> = records
             .iter()
             .map(|r| (r.setup.adapters, r.setup.rank))

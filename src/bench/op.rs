@@ -7,7 +7,7 @@
 //! expand, which tells the op's two launches apart; and the op fused into the base linear
 //! ([`LoraLinear::fused_where_it_fits`]: the shrink, then the linear kernel adding each row's
 //! delta as it stores it) wherever the base linear's kernel is one of ours with the epilogue,
-//! so that the two ways the engine chooses between (`lora::ops::fusion`) are timed side by side.
+//! so that the two ways the engine chooses between (`ops::lora::fusion`) are timed side by side.
 //!
 //! Each is timed as one call between device syncs, and all but the naive path also back to back
 //! ([`time_per_call`]): [`BACK_TO_BACK_CALLS`] calls between two syncs, as a forward pass runs
@@ -21,14 +21,14 @@ use std::time::{Duration, Instant};
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use serde::Serialize;
 
-use crate::device::{Precision, RuntimeDevice};
-use crate::lora::linear::LoraLinear;
-use crate::lora::meta::KernelMeta;
-use crate::lora::ops::{LoraBatch, LoraSlice, ShrinkKernel, choice, lora_apply};
-use crate::model::gemm::LinearKernel;
-use crate::model::linear_choice::LinearChoice;
-use crate::model::qwen2_vl::{DEFAULT_BUFFER_LIMIT, VisionConfig};
-use crate::timing::time_per_call;
+use crate::models::qwen2_vl::{DEFAULT_BUFFER_LIMIT, VisionConfig};
+use crate::nn::LoraLinear;
+use crate::ops::linear::LinearKernel;
+use crate::ops::linear::choice::LinearChoice;
+use crate::ops::lora::{LoraBatch, LoraSlice, ShrinkKernel, choice, lora_apply};
+use crate::routing::meta::KernelMeta;
+use crate::runtime::device::{Precision, RuntimeDevice};
+use crate::runtime::timing::time_per_call;
 
 /// Output columns of the narrow op: its expand adds a vector of four values to each row.
 pub const NARROW_COLUMNS: usize = 4;
@@ -425,7 +425,7 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, repeats: usize) -> OpRecord {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device;
+    use crate::runtime::device;
 
     #[test]
     fn rows_take_the_adapters_in_turn_or_in_runs() {

@@ -15,12 +15,12 @@ use super::{
     Compute, Preset, RunSetup, engine_with_adapters, in_turns, median, mixed_batch, random_images,
     resized_side, steps,
 };
-use crate::device::{Precision, RuntimeDevice};
 use crate::engine::{Engine, EngineError, Request};
-use crate::lora::ops::ShrinkKernel;
-use crate::model::gemm::LinearKernel;
-use crate::model::qwen2_vl::Qwen2VlVision;
-use crate::model::sdpa::AttentionKernel;
+use crate::models::qwen2_vl::Qwen2VlVision;
+use crate::ops::attention::AttentionKernel;
+use crate::ops::linear::LinearKernel;
+use crate::ops::lora::ShrinkKernel;
+use crate::runtime::device::{Precision, RuntimeDevice};
 
 /// What to sweep.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -360,7 +360,7 @@ mod tests {
             lora_shrink: ShrinkKernel::Auto,
             attention_kernel: AttentionKernel::Auto,
         };
-        let records = run(&spec, &crate::device::cpu(), |_| (), |_| ()).unwrap();
+        let records = run(&spec, &crate::runtime::device::cpu(), |_| (), |_| ()).unwrap();
         let seen: Vec<_> = records
             .iter()
             .map(|r| {

@@ -15,10 +15,10 @@ use serde::Serialize;
 use super::{
     BenchSpec, RunSetup, engine_with_adapters, in_turns, median, mixed_batch, random_images,
 };
-use crate::device::RuntimeDevice;
 use crate::engine::{EngineError, ImageSource, Request};
-use crate::model::qwen2_vl::{Qwen2VlVision, VisionConfig};
-use crate::model::stages::{Stage, StageClock, StageTime};
+use crate::models::qwen2_vl::{Qwen2VlVision, VisionConfig};
+use crate::runtime::device::RuntimeDevice;
+use crate::runtime::stages::{Stage, StageClock, StageTime};
 
 /// One stage's share of a configuration's clocked pass.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -240,7 +240,7 @@ fn flop(config: &VisionConfig, grids: &[[usize; 3]], rank: usize) -> BTreeMap<St
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::Preset;
+    use crate::models::qwen2_vl::Preset;
 
     #[test]
     fn products_count_their_multiply_adds_twice() {
@@ -275,7 +275,10 @@ mod tests {
             repeats: 2,
             ..BenchSpec::default()
         };
-        let devices = [Some(crate::device::cpu()), crate::device::gpu_for_tests()];
+        let devices = [
+            Some(crate::runtime::device::cpu()),
+            crate::runtime::device::gpu_for_tests(),
+        ];
         for device in devices.iter().flatten() {
             check_profiles(&run(&spec, device, |_| {}).unwrap());
         }

@@ -1,8 +1,8 @@
 //! `mmlora devices`: the adapters wgpu sees and the one mmlora would use.
 
 use burn::tensor::wgpu::wgpu;
-use mmlora::device::{self, DeviceChoice, Precision};
-use mmlora::model::gemm::LinearKernel;
+use mmlora::ops::linear::LinearKernel;
+use mmlora::runtime::device::{self, DeviceChoice, Precision};
 
 use super::CliError;
 

@@ -5,17 +5,17 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use mmlora::adapters::PeftAdapter;
-use mmlora::device::{self, DeviceChoice, Precision};
 use mmlora::engine::batch::Batch;
 use mmlora::engine::{Encoded, Engine, EngineOptions, ImageSource, Request};
-use mmlora::lora::ops::ShrinkKernel;
-use mmlora::model::gemm::LinearKernel;
-use mmlora::model::sdpa::AttentionKernel;
+use mmlora::ops::attention::AttentionKernel;
+use mmlora::ops::linear::LinearKernel;
+use mmlora::ops::lora::ShrinkKernel;
+use mmlora::runtime::device::{self, DeviceChoice, Precision};
 
 use super::output::{
     OutputTensor, check_not_an_input, check_writable, files_in, report_to, write_safetensors,
 };
-use super::{CliError, default_model_dir};
+use super::{CliError, model_dir};
 
 /// Arguments of `mmlora encode`.
 #[derive(Debug, clap::Args)]
@@ -68,11 +68,12 @@ pub struct EncodeArgs {
 
 /// Runs `mmlora encode`.
 pub fn run(args: EncodeArgs) -> Result<(), CliError> {
-    let model_dir = args.model.clone().unwrap_or_else(default_model_dir);
-    let (job, batch_file) = batch(&args, &model_dir)?;
+    let model = model_dir(args.model.clone())?;
+    let model_dir = model.path();
+    let (job, batch_file) = batch(&args, model_dir)?;
     if let Some(out) = &args.out {
         check_writable(out)?;
-        check_not_an_input(out, &inputs(&job, batch_file, &model_dir))?;
+        check_not_an_input(out, &inputs(&job, batch_file, model_dir))?;
     }
     let device = device::select(args.device)?;
     // Progress on stderr, results on stdout: a reader that stops early (`| head`) ends the
@@ -94,18 +95,18 @@ pub fn run(args: EncodeArgs) -> Result<(), CliError> {
         ..EngineOptions::default()
     };
     let started = Instant::now();
-    let mut engine = Engine::open(&model_dir, device, options)?;
+    let mut engine = Engine::open(model_dir, device, options)?;
     for (name, dir) in &job.adapters {
         engine.load_adapter(name, dir)?;
     }
     eprintln!(
         "model: {} loaded in {:.2} s",
-        model_dir.display(),
+        model.label(),
         started.elapsed().as_secs_f64()
     );
     let encoded = engine.encode(&job.requests, args.with_tower)?;
     if let Some(out) = &args.out {
-        write_results(out, &encoded, &model_dir, &engine)?;
+        write_results(out, &encoded, model.label(), &engine)?;
     }
     let steps = encoded.iter().map(|e| e.step + 1).max().unwrap_or(0);
     let report = report_to(args.out.as_deref());
@@ -206,12 +207,12 @@ fn images_job(images: &[PathBuf], adapter: Option<&Path>) -> Batch {
 fn write_results(
     out: &Path,
     encoded: &[Encoded],
-    model_dir: &Path,
+    model: &str,
     engine: &Engine,
 ) -> Result<(), CliError> {
     let mut tensors = Vec::new();
     let mut metadata = HashMap::from([
-        ("model".to_owned(), model_dir.display().to_string()),
+        ("model".to_owned(), model.to_owned()),
         ("device".to_owned(), engine.device().description.clone()),
     ]);
     for result in encoded {

@@ -5,9 +5,9 @@ use std::path::PathBuf;
 
 use mmlora::adapters::{AdapterConfig, AdapterError, PeftAdapter, TargetModules};
 use mmlora::engine::EngineOptions;
-use mmlora::model::qwen2_vl::{LoraTarget, VisionConfig};
+use mmlora::models::qwen2_vl::{LoraTarget, VisionConfig};
 
-use super::{CliError, default_model_dir};
+use super::{CliError, model_dir};
 
 /// Arguments of `mmlora adapters inspect`.
 #[derive(Debug, clap::Args)]
@@ -56,8 +56,8 @@ pub fn run(args: InspectArgs) -> Result<(), CliError> {
         }
     }
 
-    let model_dir = args.model.unwrap_or_else(default_model_dir);
-    let targets = VisionConfig::from_model_dir(&model_dir)?.lora_targets();
+    let model = model_dir(args.model)?;
+    let targets = VisionConfig::from_model_dir(model.path())?.lora_targets();
     match PeftAdapter::load(&name, &args.dir, &targets, args.max_rank) {
         Ok(adapter) => {
             // Per kind of layer (`attn.qkv`, `merger.mlp.0`, …): how many layers, ranks, scales.
@@ -80,14 +80,14 @@ pub fn run(args: InspectArgs) -> Result<(), CliError> {
             for (kind, (count, ranks, scales)) in kinds {
                 println!("  {kind}: {count} layers, rank {ranks:?}, scale {scales:?}");
             }
-            println!("compatible with {}: yes", model_dir.display());
+            println!("compatible with {}: yes", model.label());
             Ok(())
         }
         Err(error @ (AdapterError::Incompatible { .. } | AdapterError::Unsupported { .. })) => {
-            println!("compatible with {}: no — {error}", model_dir.display());
+            println!("compatible with {}: no — {error}", model.label());
             Err(CliError::Incompatible {
                 dir: args.dir,
-                model: model_dir,
+                model: model.label().to_owned(),
                 source: Box::new(error),
             })
         }

@@ -2,6 +2,7 @@
 //! library user would need lives in the library.
 
 pub mod bench;
+pub mod bundled;
 pub mod devices;
 pub mod encode;
 pub mod inspect;
@@ -12,16 +13,15 @@ use std::path::PathBuf;
 
 use mmlora::adapters::AdapterError;
 use mmlora::bench::plot::PlotError;
-use mmlora::device::DeviceError;
 use mmlora::engine::EngineError;
 use mmlora::engine::batch::BatchError;
-use mmlora::model::qwen2_vl::ConfigError;
+use mmlora::models::qwen2_vl::ConfigError;
 use mmlora::preprocess::PreprocessError;
+use mmlora::runtime::device::DeviceError;
 
-/// The bundled model: random weights in Qwen2-VL's layout, adapters and images, so every
-/// command works on a fresh checkout (see `assets/tiny-qwen2-vl/`).
-pub fn default_model_dir() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/assets/tiny-qwen2-vl"))
+/// The model folder a command runs on: `given`, or the bundled model.
+pub fn model_dir(given: Option<PathBuf>) -> Result<bundled::ModelDir, CliError> {
+    bundled::ModelDir::given_or_bundled(given).map_err(CliError::Unpack)
 }
 
 /// Why a command failed.
@@ -33,6 +33,9 @@ pub enum CliError {
     /// The batch file could not be used.
     #[error(transparent)]
     Batch(#[from] BatchError),
+    /// The bundled model could not be unpacked into a temporary folder.
+    #[error("cannot unpack the bundled model into a temporary folder: {0}")]
+    Unpack(std::io::Error),
     /// The arguments do not make a job.
     #[error("{0}")]
     Usage(String),
@@ -49,8 +52,8 @@ pub enum CliError {
     Incompatible {
         /// The adapter folder.
         dir: PathBuf,
-        /// The model folder.
-        model: PathBuf,
+        /// The model folder (or the bundled model's name).
+        model: String,
         /// Which file or key, and why.
         source: Box<AdapterError>,
     },

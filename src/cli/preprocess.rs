@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use mmlora::preprocess::{PreprocessConfig, load_image, preprocess};
 
 use super::output::{OutputTensor, check_not_an_input, files_in, report_to, write_safetensors};
-use super::{CliError, default_model_dir};
+use super::{CliError, model_dir};
 
 /// Arguments of `mmlora preprocess`.
 #[derive(Debug, clap::Args)]
@@ -24,11 +24,11 @@ pub struct PreprocessArgs {
 
 /// Runs `mmlora preprocess`.
 pub fn run(args: PreprocessArgs) -> Result<(), CliError> {
-    let model_dir = args.model.unwrap_or_else(default_model_dir);
-    let mut inputs = files_in(&model_dir);
+    let model = model_dir(args.model)?;
+    let mut inputs = files_in(model.path());
     inputs.push(args.image.clone());
     check_not_an_input(&args.out, &inputs)?;
-    let config = PreprocessConfig::from_model_dir(&model_dir)?;
+    let config = PreprocessConfig::from_model_dir(model.path())?;
     let patches =
         preprocess(&load_image(&args.image)?, &config).map_err(|e| e.in_file(&args.image))?;
     let grid = patches.grid_thw.map(|g| g as i64);

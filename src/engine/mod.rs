@@ -2,9 +2,9 @@
 //!
 //! One [`Engine::encode`] call: preprocess every image → plan scheduler steps that fit the
 //! `max_loras` GPU slots → per step: lay the requests out as scheduled encoder inputs, build the
-//! TOWER and CONNECTOR mappings with [`crate::mapping`], activate the step's adapters in the slot
-//! table (restacking the model's LoRA weights only when the slots changed), turn the mappings
-//! into kernel metadata, run tower and connector once over the step, split per request.
+//! TOWER and CONNECTOR mappings with [`crate::routing::mapping`], activate the step's adapters in
+//! the slot table (restacking the model's LoRA weights only when the slots changed), turn the
+//! mappings into kernel metadata, run tower and connector once over the step, split per request.
 
 pub mod batch;
 pub mod plan;
@@ -27,19 +27,19 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::adapters::registry::{AdapterKey, AdapterRegistry};
 use crate::adapters::{AdapterError, PeftAdapter, install};
-use crate::device::{Precision, RuntimeDevice};
-use crate::lora::meta::{KernelMeta, MetaError, SlotTable};
-use crate::lora::ops::{LoraBatch, MAX_RANK, ShrinkKernel};
-use crate::mapping::{
+use crate::models::qwen2_vl::{ModelError, Qwen2VlVision, VisionConfig};
+use crate::ops::attention::AttentionKernel;
+use crate::ops::linear::choice::LinearChoice;
+use crate::ops::linear::{self, CoopTiling, LinearKernel};
+use crate::ops::lora::{LoraBatch, MAX_RANK, ShrinkKernel};
+use crate::ops::norm::NormKernel;
+use crate::preprocess::{Patches, PreprocessConfig, PreprocessError, load_image, preprocess};
+use crate::routing::mapping::{
     AdapterRequest, EncoderCache, LoraState, MappingError, MmFeature, MmLoraActivation, Modality,
     PlaceholderRange, SpatialMergeCounts, set_active_mm_loras,
 };
-use crate::model::gemm::{self, CoopTiling, LinearKernel};
-use crate::model::linear_choice::LinearChoice;
-use crate::model::norm::NormKernel;
-use crate::model::qwen2_vl::{ModelError, Qwen2VlVision, VisionConfig};
-use crate::model::sdpa::AttentionKernel;
-use crate::preprocess::{Patches, PreprocessConfig, PreprocessError, load_image, preprocess};
+use crate::routing::meta::{KernelMeta, MetaError, SlotTable};
+use crate::runtime::device::{Precision, RuntimeDevice};
 use plan::{PlanItem, plan_steps};
 
 /// The most GPU slots an engine takes (`max_loras`).
@@ -1087,7 +1087,7 @@ fn check_options(options: &EngineOptions, device: &RuntimeDevice) -> Result<(), 
             options.linear_kernel.name()
         ))
     } else if let Some(tiling) = options.linear_kernel.coop_tiling()
-        && (options.precision != Precision::F16 || gemm::coop_subgroup(device, tiling).is_none())
+        && (options.precision != Precision::F16 || linear::coop_subgroup(device, tiling).is_none())
     {
         let subgroups = match tiling {
             CoopTiling::Narrow => "16, 32 or 64",

@@ -12,9 +12,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{Encoded, Engine, EngineError, Request, check_ids, request_patches};
 use crate::adapters::PeftAdapter;
-use crate::device::RuntimeDevice;
-use crate::model::qwen2_vl::{LoraTarget, VisionConfig};
+use crate::models::qwen2_vl::{LoraTarget, VisionConfig};
 use crate::preprocess::PreprocessConfig;
+use crate::runtime::device::RuntimeDevice;
 
 /// A cloneable handle on one [`Engine`], usable from any thread.
 #[derive(Debug, Clone)]

@@ -1,5 +1,5 @@
 //! The Qwen2-VL image processor: the same numbers as Hugging Face's PIL-flavoured
-//! `Qwen2VLImageProcessor` (see `DESIGN.md`, "Preprocessing").
+//! `Qwen2VLImageProcessor`, step by step:
 //!
 //! decode → RGB → smart_resize to multiples of `patch · merge` → resize (bicubic unless the
 //! config names another of Pillow's filters) exactly as Pillow does it on `uint8` → ×1/255 →
@@ -797,7 +797,8 @@ pub fn preprocess(image: &RgbImage, config: &PreprocessConfig) -> Result<Patches
         resize(image, width, height, config.resample)
     };
 
-    // ×rescale_factor in f64 then f32, then (x − mean) / std in f32, as transformers' numpy path does.
+    // ×rescale_factor in f64 then f32, then (x − mean) / std in f32, as transformers' numpy path
+    // does.
     let pixel = |c: usize, y: usize, x: usize| -> f32 {
         let value = resized.get_pixel(x as u32, y as u32)[c];
         let scaled = (f64::from(value) * config.rescale_factor) as f32;

@@ -126,11 +126,11 @@ step bench-16 90 "$bin/mmlora" bench --device gpu --json --images 16 "${shape[@]
 # The op against the native path on a real Vulkan driver, every shader and edge case, and fused
 # into the linear kernels (the real coop ones too: MMLORA_EXPECT_COOP=1 fails where they cannot
 # run).
-step op-tests 120 env MMLORA_EXPECT_COOP=$expect_coop "$bin/lib" lora::ops
+step op-tests 120 env MMLORA_EXPECT_COOP=$expect_coop "$bin/lib" ops::lora
 # The fused attention, rotary and layer norm kernels (and Burn's attention and norm) against
 # float64 on a real driver, f32 and f16.
-step fused-tests 60 "$bin/lib" model::sdpa model::fused_attention model::rope \
-    model::norm model::fused_norm
+step fused-tests 60 "$bin/lib" ops::attention ops::attention::wgsl ops::rotary \
+    ops::norm ops::norm::wgsl
 # Attention alone, Burn's against the fused kernel, over 8 images of 448² (criterion; FLOP/s).
 step attention-alone 60 env MMLORA_BENCH_IMAGES=$attention_images "$bin/attention_bench" --bench \
     --warm-up-time 0.5 --measurement-time 1
@@ -139,7 +139,7 @@ step attention-alone 60 env MMLORA_BENCH_IMAGES=$attention_images "$bin/attentio
 # availability or visibility for them: wgpu issue #8805) would show. MMLORA_EXPECT_COOP=1
 # fails the coop tests where the adapter has no cooperative matrices, rather than skipping them.
 step linear-tests 120 env MMLORA_EXPECT_COOP=$expect_coop MMLORA_COOP_REPEATS=50 \
-    "$bin/lib" model::gemm --nocapture
+    "$bin/lib" ops::linear --nocapture
 step linear-kernels-f16 120 env RUST_LOG=mmlora=info \
     "${bench[@]}" --adapters 8 --ranks 16 --op-rows 256,4096,8192 --op-mix rows,runs --repeats 2 \
     --linear-kernel auto --precision f16
@@ -153,7 +153,7 @@ step scale 150 "$bin/mmlora" bench --device gpu --json --scale "${shape[@]}" \
     --scale-images 1,4,16,64 --scale-adapters 1,16,64 --linear-kernel burn
 # auto's timing per shape, on sizes up to 4 GiB, each pick checked first.
 step linear-choice-tests 90 env MMLORA_EXPECT_COOP=$expect_coop \
-    "$bin/lib" model::linear_choice --nocapture
+    "$bin/lib" ops::linear::choice --nocapture
 # Each linear alone in every kernel and precision (criterion; FLOP/s): 6 shapes, each in 2
 # kernels in f32 and 5 in f16.
 step linears-alone 120 env MMLORA_BENCH_ROWS=$linear_rows "$bin/linear_bench" --bench \

@@ -1,0 +1,626 @@
+//! Qwen2-VL's vision tower and its PatchMerger connector, with a LoRA slot on every target
+//! linear (`blocks.*.attn.qkv`, `attn.proj`, `mlp.fc1`, `mlp.fc2`, `merger.mlp.0`,
+//! `merger.mlp.2`). Numbers follow transformers' `Qwen2VisionTransformerPretrainedModel`.
+
+mod attention;
+pub mod config;
+mod presets;
+mod rotary;
+
+use std::path::Path;
+
+use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
+
+use crate::models::checkpoint::{Checkpoint, CheckpointError};
+use crate::nn::LoraLinear;
+use crate::ops::activation::{gelu_in_f32, quick_gelu};
+use crate::ops::attention::AttentionKernel;
+use crate::ops::attention::wgsl as fused_attention;
+use crate::ops::linear::choice::LinearChoice;
+use crate::ops::lora::{LoraBatch, LoraOpError};
+use crate::ops::norm::{self, NormKernel};
+use crate::ops::rotary::rotate_packed;
+use crate::preprocess::grid_rows;
+use crate::runtime::stages::{Stage, StageClock};
+pub use config::{ConfigError, DEFAULT_ROPE_THETA, LoraTarget, VisionConfig};
+pub use presets::Preset;
+
+/// LayerNorm epsilon of every norm in the tower and merger.
+const LAYER_NORM_EPS: f64 = 1e-6;
+
+/// The largest buffer (in bytes) one operation makes unless told otherwise: it bounds the
+/// attention scores of large images, on the CPU backend too.
+pub const DEFAULT_BUFFER_LIMIT: u64 = 256 << 20;
+
+/// Errors loading or running the model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// `config.json` is unreadable or unsupported.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The weights are unreadable, missing or mis-shaped.
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    /// The LoRA op refused its inputs.
+    #[error(transparent)]
+    Lora(#[from] LoraOpError),
+    /// The pixel values do not match the grids.
+    #[error("{0}")]
+    Input(String),
+}
+
+/// A layer norm's affine parameters, kept in f32 whatever the model computes in.
+#[derive(Debug, Clone)]
+struct LayerNorm {
+    weight: Tensor<1>,
+    bias: Tensor<1>,
+}
+
+impl LayerNorm {
+    /// Normalises each row in f32, the affine parameters applied in f32 too (as PyTorch's
+    /// autocast runs layer_norm: an f16 variance overflows), the result in `x`'s dtype, by
+    /// `kernel` ([`norm::layer_norm`]).
+    fn forward(&self, x: Tensor<2>, kernel: NormKernel) -> Tensor<2> {
+        norm::layer_norm(x, &self.weight, &self.bias, LAYER_NORM_EPS, kernel)
+    }
+}
+
+/// One transformer block.
+#[derive(Debug, Clone)]
+struct Block {
+    norm1: LayerNorm,
+    norm2: LayerNorm,
+    qkv: LoraLinear,
+    proj: LoraLinear,
+    fc1: LoraLinear,
+    fc2: LoraLinear,
+}
+
+/// The paths of a block's linears within it, in [`Block::linears`]'s order.
+const BLOCK_LINEARS: [&str; 4] = ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"];
+
+impl Block {
+    /// The block's linears, in [`BLOCK_LINEARS`]'s order.
+    fn linears(&self) -> [&LoraLinear; 4] {
+        [&self.qkv, &self.proj, &self.fc1, &self.fc2]
+    }
+
+    /// The same, to change.
+    fn linears_mut(&mut self) -> [&mut LoraLinear; 4] {
+        [&mut self.qkv, &mut self.proj, &mut self.fc1, &mut self.fc2]
+    }
+}
+
+/// The PatchMerger: LayerNorm, 2×2 rows into one, MLP.
+#[derive(Debug, Clone)]
+struct Merger {
+    ln_q: LayerNorm,
+    mlp0: LoraLinear,
+    mlp2: LoraLinear,
+}
+
+/// The paths of the merger's linears, in [`Merger::linears`]'s order.
+const MERGER_LINEARS: [&str; 2] = ["merger.mlp.0", "merger.mlp.2"];
+
+impl Merger {
+    /// The merger's linears, in [`MERGER_LINEARS`]'s order.
+    fn linears(&self) -> [&LoraLinear; 2] {
+        [&self.mlp0, &self.mlp2]
+    }
+
+    /// The same, to change.
+    fn linears_mut(&mut self) -> [&mut LoraLinear; 2] {
+        [&mut self.mlp0, &mut self.mlp2]
+    }
+}
+
+/// The tower's and the connector's outputs for a batch.
+#[derive(Debug, Clone)]
+pub struct VisionOutput {
+    /// `[tower rows, embed_dim]`: the last block's output.
+    pub tower: Tensor<2>,
+    /// `[tower rows / merge², hidden_size]`: the connector's output.
+    pub embeds: Tensor<2>,
+}
+
+/// Qwen2-VL's vision tower and connector.
+#[derive(Debug, Clone)]
+pub struct Qwen2VlVision {
+    config: VisionConfig,
+    /// `[patch_len, embed_dim]`: the Conv3d as a linear.
+    patch_embed_t: Tensor<2>,
+    blocks: Vec<Block>,
+    merger: Merger,
+    device: Device,
+    /// The largest buffer one operation may make, in bytes.
+    buffer_limit: u64,
+    /// Which implementation computes attention.
+    attention_kernel: AttentionKernel,
+    /// Which implementation computes the layer norms.
+    norm_kernel: NormKernel,
+    /// The dtype the weights and activations are in (f32, or f16 on a GPU that has it).
+    dtype: DType,
+    /// Where the forward pass marks its stages (detached unless a benchmark attaches one).
+    stages: StageClock,
+}
+
+impl Qwen2VlVision {
+    /// Loads the vision weights of the checkpoint in `dir` (`model.visual.*`, `visual.*`, or
+    /// the tower's own names where it was saved alone).
+    pub fn load(dir: &Path, device: &Device) -> Result<Self, ModelError> {
+        let config = VisionConfig::from_model_dir(dir)?;
+        let mut ckpt = Checkpoint::open(dir)?;
+        // transformers 5's `model.visual.`, 4's `visual.`, or none for the tower saved alone;
+        // with none of them, the missing weights are named as transformers 4 spells them.
+        let prefix = ["model.visual.", "visual.", ""]
+            .into_iter()
+            .find(|prefix| ckpt.has_prefix(&format!("{prefix}blocks.")))
+            .unwrap_or("visual.");
+        // Per block: 2 norms and 4 linears (weight + bias each); merger: 1 norm, 2 linears.
+        ckpt.show_progress((config.depth * 12 + 7) as u64);
+        Self::build(
+            config,
+            device,
+            &mut CheckpointWeights {
+                ckpt,
+                prefix,
+                device,
+            },
+        )
+    }
+
+    /// A model of shape `config` with random weights (uniform, scaled by each linear's fan-in;
+    /// norms near identity), for benchmarks: the same layers, shapes and kernels as a loaded one.
+    pub fn random(config: VisionConfig, device: &Device) -> Self {
+        Self::build(config, device, &mut RandomWeights { device })
+            .expect("random weights always have the right shapes")
+    }
+
+    /// Assembles the model from `weights`, asking for each tensor by its checkpoint name.
+    fn build(
+        config: VisionConfig,
+        device: &Device,
+        weights: &mut impl WeightSource,
+    ) -> Result<Self, ModelError> {
+        let (d, hidden) = (config.embed_dim, config.hidden_size);
+        let mlp = d * config.mlp_ratio;
+        let merged = d * config.spatial_merge_size * config.spatial_merge_size;
+        let mut linear = |name: &str, out: usize, inp: usize| -> Result<LoraLinear, ModelError> {
+            let weight = weights.tensor(&format!("{name}.weight"), [out, inp])?;
+            let bias = weights.tensor(&format!("{name}.bias"), [out])?;
+            Ok(LoraLinear::new(weight, Some(bias)))
+        };
+        let mut blocks = Vec::with_capacity(config.depth);
+        for i in 0..config.depth {
+            let b = format!("blocks.{i}");
+            blocks.push((
+                linear(&format!("{b}.attn.qkv"), 3 * d, d)?,
+                linear(&format!("{b}.attn.proj"), d, d)?,
+                linear(&format!("{b}.mlp.fc1"), mlp, d)?,
+                linear(&format!("{b}.mlp.fc2"), d, mlp)?,
+            ));
+        }
+        let mlp0 = linear("merger.mlp.0", merged, merged)?;
+        let mlp2 = linear("merger.mlp.2", hidden, merged)?;
+        let mut norm = |name: &str| -> Result<LayerNorm, ModelError> {
+            Ok(LayerNorm {
+                weight: weights.tensor(&format!("{name}.weight"), [d])?,
+                bias: weights.tensor(&format!("{name}.bias"), [d])?,
+            })
+        };
+        let blocks = blocks
+            .into_iter()
+            .enumerate()
+            .map(|(i, (qkv, proj, fc1, fc2))| {
+                Ok(Block {
+                    norm1: norm(&format!("blocks.{i}.norm1"))?,
+                    norm2: norm(&format!("blocks.{i}.norm2"))?,
+                    qkv,
+                    proj,
+                    fc1,
+                    fc2,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        let merger = Merger {
+            ln_q: norm("merger.ln_q")?,
+            mlp0,
+            mlp2,
+        };
+        // A Conv3d's weight, `[d, C, T, P, P]`, read in that layout and flattened to the linear
+        // it is over flattened patches.
+        let (p, t) = (config.patch_size, config.temporal_patch_size);
+        let patch_embed: Tensor<2> = weights
+            .tensor("patch_embed.proj.weight", [d, config.in_channels, t, p, p])?
+            .reshape([d, config.patch_len()]);
+        Ok(Self {
+            patch_embed_t: patch_embed.transpose(),
+            config,
+            blocks,
+            merger,
+            device: device.clone(),
+            buffer_limit: DEFAULT_BUFFER_LIMIT,
+            attention_kernel: AttentionKernel::Burn,
+            norm_kernel: NormKernel::Composed,
+            dtype: DType::F32,
+            stages: StageClock::default(),
+        })
+    }
+
+    /// The checkpoint name of every tensor [`Self::cast`] casts (the linears' weights and
+    /// biases, the patch embedding), and beside them on the device their largest magnitudes
+    /// (so a check of them all reads back once).
+    pub fn cast_magnitudes(&self) -> (Vec<String>, Tensor<1>) {
+        let mut names = vec!["patch_embed.proj.weight".to_owned()];
+        let mut largest = vec![self.patch_embed_t.clone().abs().max()];
+        for (path, linear) in self.linears() {
+            names.extend([format!("{path}.weight"), format!("{path}.bias")]);
+            largest.push(linear.largest_magnitudes());
+        }
+        (names, Tensor::cat(largest, 0))
+    }
+
+    /// The model computing in `dtype` (`F32` or `F16`): the linears' weights cast once; norms
+    /// (their parameters stay f32) and softmax still run in f32, and the outputs come back as f32.
+    pub fn cast(self, dtype: DType) -> Self {
+        let blocks = self
+            .blocks
+            .into_iter()
+            .map(|b| Block {
+                qkv: b.qkv.cast(dtype),
+                proj: b.proj.cast(dtype),
+                fc1: b.fc1.cast(dtype),
+                fc2: b.fc2.cast(dtype),
+                ..b
+            })
+            .collect();
+        let merger = Merger {
+            mlp0: self.merger.mlp0.cast(dtype),
+            mlp2: self.merger.mlp2.cast(dtype),
+            ..self.merger
+        };
+        Self {
+            patch_embed_t: self.patch_embed_t.cast(dtype),
+            blocks,
+            merger,
+            dtype,
+            ..self
+        }
+    }
+
+    /// Computes every linear's base product with the kernel `kernel` picks.
+    pub fn set_linear_kernel(&mut self, kernel: LinearChoice) {
+        for (_, layer) in self.linears_mut() {
+            layer.set_kernel(kernel);
+        }
+    }
+
+    /// Computes attention with `kernel`.
+    pub fn set_attention_kernel(&mut self, kernel: AttentionKernel) {
+        self.attention_kernel = kernel;
+    }
+
+    /// Computes the layer norms with `kernel`.
+    pub fn set_norm_kernel(&mut self, kernel: NormKernel) {
+        self.norm_kernel = kernel;
+    }
+
+    /// Marks the end of each stage of [`Self::forward`] on `clock` (clones of the model share
+    /// it).
+    pub fn set_stage_clock(&mut self, clock: StageClock) {
+        self.stages = clock;
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &VisionConfig {
+        &self.config
+    }
+
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The largest buffer one operation may make, in bytes.
+    pub fn buffer_limit(&self) -> u64 {
+        self.buffer_limit
+    }
+
+    /// Sets the largest buffer one operation may make (a device's binding limit): attention
+    /// runs in blocks of queries that fit, and [`Self::max_rows`] follows.
+    pub fn set_buffer_limit(&mut self, bytes: u64) {
+        self.buffer_limit = bytes.max(1);
+    }
+
+    /// The most tower rows one [`Self::forward`] can take with every row-wise buffer (patches,
+    /// qkv, MLP, merger) within the buffer limit.
+    pub fn max_rows(&self) -> usize {
+        let c = &self.config;
+        let m2 = c.spatial_merge_size * c.spatial_merge_size;
+        let widest = [
+            c.patch_len(),
+            3 * c.embed_dim,
+            c.embed_dim * c.mlp_ratio,
+            c.hidden_size.div_ceil(m2),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(1);
+        let rows = self.buffer_limit / (4 * widest as u64);
+        // Whole merge blocks only.
+        usize::try_from(rows).unwrap_or(usize::MAX) / m2 * m2
+    }
+
+    /// Every LoRA target linear, in a fixed order.
+    pub fn lora_targets(&self) -> Vec<LoraTarget> {
+        self.config.lora_targets()
+    }
+
+    /// Every linear with its path, in [`Self::lora_targets`]'s order (each is a target).
+    fn linears(&self) -> impl Iterator<Item = (String, &LoraLinear)> {
+        let blocks = self.blocks.iter().enumerate().flat_map(|(i, block)| {
+            let paths = BLOCK_LINEARS.map(|name| format!("blocks.{i}.{name}"));
+            paths.into_iter().zip(block.linears())
+        });
+        let merger = MERGER_LINEARS.map(str::to_owned).into_iter();
+        blocks.chain(merger.zip(self.merger.linears()))
+    }
+
+    /// The same, to change.
+    fn linears_mut(&mut self) -> impl Iterator<Item = (String, &mut LoraLinear)> {
+        let blocks = self.blocks.iter_mut().enumerate().flat_map(|(i, block)| {
+            let paths = BLOCK_LINEARS.map(|name| format!("blocks.{i}.{name}"));
+            paths.into_iter().zip(block.linears_mut())
+        });
+        let merger = MERGER_LINEARS.map(str::to_owned).into_iter();
+        blocks.chain(merger.zip(self.merger.linears_mut()))
+    }
+
+    /// The target linear at `path` (as listed by [`Self::lora_targets`]).
+    pub fn target_mut(&mut self, path: &str) -> Option<&mut LoraLinear> {
+        self.linears_mut()
+            .find_map(|(target, layer)| (target == path).then_some(layer))
+    }
+
+    /// Runs the tower and the connector over every image of the batch at once.
+    ///
+    /// `pixel_values`: `[rows, patch_len]`, the images' patches one after the other;
+    /// `grids`: each image's `(t, h, w)`; `tower` and `connector`: the LoRA metadata of the
+    /// tower rows and of the merged rows (row for row, as the mapping builder lays them out).
+    pub fn forward(
+        &self,
+        pixel_values: Tensor<2>,
+        grids: &[[usize; 3]],
+        tower: &LoraBatch,
+        connector: &LoraBatch,
+    ) -> Result<VisionOutput, ModelError> {
+        let [rows, len] = pixel_values.dims();
+        if grids.is_empty() {
+            return Err(ModelError::Input(
+                "no image: the grids are empty".to_owned(),
+            ));
+        }
+        if let Some(g) = grids.iter().find(|g| g.contains(&0)) {
+            return Err(ModelError::Input(format!("grid {g:?} has no patches")));
+        }
+        let expected_rows = grids
+            .iter()
+            .fold(0usize, |rows, grid| rows.saturating_add(grid_rows(grid)));
+        let m = self.config.spatial_merge_size;
+        if len != self.config.patch_len() || rows != expected_rows {
+            return Err(ModelError::Input(format!(
+                "pixel values are [{rows}, {len}] but the grids need [{expected_rows}, {}]",
+                self.config.patch_len()
+            )));
+        }
+        if let Some(g) = grids.iter().find(|g| g[1] % m != 0 || g[2] % m != 0) {
+            return Err(ModelError::Input(format!(
+                "grid {g:?} is not a multiple of the merge size {m}"
+            )));
+        }
+        // f32 angles in every precision: rotary runs in f32 (`ops::rotary::rotate_packed`).
+        let rotary = rotary::tables(grids, &self.config, &self.device);
+        // Each frame of each image attends only to itself; the same pieces in every block.
+        let segments: Vec<usize> = grids
+            .iter()
+            .flat_map(|&[t, h, w]| std::iter::repeat_n(h * w, t))
+            .collect();
+        // The fused kernel writes no scores out: it takes the segments of one length together.
+        let fused = self.attention_kernel == AttentionKernel::Fused
+            && fused_attention::takes(self.config.head_dim());
+        let limit = if fused { u64::MAX } else { self.buffer_limit };
+        let pieces = attention::pieces(&segments, self.config.num_heads, limit);
+
+        self.stages.begin();
+        let mut x = pixel_values
+            .cast(self.dtype)
+            .matmul(self.patch_embed_t.clone());
+        self.stages.mark(Stage::PatchEmbed);
+        for block in &self.blocks {
+            let normed = self.norm(&block.norm1, x.clone());
+            let attended = self.attention(block, normed, &rotary, &pieces, tower)?;
+            x = self.residual(x, attended);
+            let normed = self.norm(&block.norm2, x.clone());
+            let hidden = self.linear(&block.fc1, normed, tower, Stage::Fc1)?;
+            let activated = quick_gelu(hidden);
+            self.stages.mark(Stage::Activation);
+            let mlp = self.linear(&block.fc2, activated, tower, Stage::Fc2)?;
+            x = self.residual(x, mlp);
+        }
+        let merged = self
+            .norm(&self.merger.ln_q, x.clone())
+            .reshape([rows / (m * m), self.config.embed_dim * m * m]);
+        let hidden = self.linear(&self.merger.mlp0, merged, connector, Stage::MergerMlp0)?;
+        let activated = gelu_in_f32(hidden);
+        self.stages.mark(Stage::Activation);
+        let embeds = self.linear(&self.merger.mlp2, activated, connector, Stage::MergerMlp2)?;
+        let output = VisionOutput {
+            tower: x.cast(DType::F32),
+            embeds: embeds.cast(DType::F32),
+        };
+        self.stages.mark(Stage::Output);
+        Ok(output)
+    }
+
+    fn attention(
+        &self,
+        block: &Block,
+        x: Tensor<2>,
+        rotary: &rotary::Rotary,
+        pieces: &[attention::Piece],
+        tower: &LoraBatch,
+    ) -> Result<Tensor<2>, ModelError> {
+        let [rows, _] = x.dims();
+        let (heads, hd) = (self.config.num_heads, self.config.head_dim());
+        let qkv = self
+            .linear(&block.qkv, x, tower, Stage::Qkv)?
+            .reshape([rows, 3, heads, hd]);
+        let [q_cos, q_sin] = &rotary.q;
+        let [k_cos, k_sin] = &rotary.k;
+        let q = rotate_packed(&qkv, 0, q_cos, q_sin);
+        let k = rotate_packed(&qkv, 1, k_cos, k_sin);
+        let v = qkv.slice([0..rows, 2..3]).reshape([rows, heads, hd]);
+        self.stages.mark(Stage::Rotary);
+        let outputs = pieces
+            .iter()
+            .map(|&piece| attention::attend(&q, &k, &v, piece, self.attention_kernel))
+            .collect();
+        let attended = Tensor::cat(outputs, 0);
+        self.stages.mark(Stage::Attention);
+        self.linear(&block.proj, attended, tower, Stage::Proj)
+    }
+
+    /// `layer` on `x`: its base product marked as `stage`, its LoRA op (where adapters are
+    /// installed) as [`Stage::LoraOp`]; both as `stage` where the layer's kernel adds the
+    /// deltas as it stores its product ([`LoraLinear::fused`]).
+    fn linear(
+        &self,
+        layer: &LoraLinear,
+        x: Tensor<2>,
+        batch: &LoraBatch,
+        stage: Stage,
+    ) -> Result<Tensor<2>, ModelError> {
+        if let Some(y) = layer.fused(x.clone(), batch) {
+            let y = y?;
+            self.stages.mark(stage);
+            return Ok(y);
+        }
+        let y = layer.base(x.clone());
+        self.stages.mark(stage);
+        if !layer.has_lora() {
+            return Ok(y);
+        }
+        let y = layer.add_lora(x, y, batch)?;
+        self.stages.mark(Stage::LoraOp);
+        Ok(y)
+    }
+
+    /// `norm` on `x`, marked as [`Stage::Norm`].
+    fn norm(&self, norm: &LayerNorm, x: Tensor<2>) -> Tensor<2> {
+        let normed = norm.forward(x, self.norm_kernel);
+        self.stages.mark(Stage::Norm);
+        normed
+    }
+
+    /// `x + update`, marked as [`Stage::Residual`].
+    fn residual(&self, x: Tensor<2>, update: Tensor<2>) -> Tensor<2> {
+        let sum = x + update;
+        self.stages.mark(Stage::Residual);
+        sum
+    }
+}
+
+/// Where [`Qwen2VlVision::build`] gets its tensors, by checkpoint name without the `visual.`
+/// prefix.
+trait WeightSource {
+    fn tensor<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+    ) -> Result<Tensor<D>, ModelError>;
+}
+
+/// A Hugging Face checkpoint.
+struct CheckpointWeights<'a> {
+    ckpt: Checkpoint,
+    prefix: &'static str,
+    device: &'a Device,
+}
+
+impl WeightSource for CheckpointWeights<'_> {
+    fn tensor<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+    ) -> Result<Tensor<D>, ModelError> {
+        let key = format!("{}{name}", self.prefix);
+        Ok(self.ckpt.tensor(&key, shape, self.device)?)
+    }
+}
+
+/// Random weights: linears uniform in ±1/√fan-in (the conv's fan-in is its patch length),
+/// biases in ±0.02, norms within 0.1 of identity.
+struct RandomWeights<'a> {
+    device: &'a Device,
+}
+
+impl WeightSource for RandomWeights<'_> {
+    fn tensor<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+    ) -> Result<Tensor<D>, ModelError> {
+        let norm = name.contains("norm") || name.contains("ln_q");
+        let range = match (norm, D) {
+            (true, _) => 0.1,
+            (false, 1) => 0.02,
+            (false, _) => 1.0 / (shape[1..].iter().product::<usize>() as f64).sqrt(),
+        };
+        let values = Tensor::<D>::random(shape, Distribution::Uniform(-range, range), self.device);
+        Ok(if norm && name.ends_with(".weight") {
+            values + 1.0
+        } else {
+            values
+        })
+    }
+}
+
+/// Uploads host values as a tensor of `shape`.
+fn host_tensor(values: Vec<f32>, shape: [usize; 3], device: &Device) -> Tensor<3> {
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::qwen2_vl::Preset;
+    use crate::runtime::device;
+
+    /// Every LoRA target the config lists is a linear of the model, of the target's widths, at
+    /// the target's path, in the config's order; no other path is.
+    #[test]
+    fn each_target_path_names_its_linear() {
+        let mut model = Qwen2VlVision::random(Preset::Tiny.config(), &device::cpu().device);
+        let targets = model.lora_targets();
+        let paths: Vec<String> = model.linears().map(|(path, _)| path).collect();
+        let target_paths: Vec<&String> = targets.iter().map(|t| &t.path).collect();
+        assert_eq!(paths.iter().collect::<Vec<_>>(), target_paths);
+        for target in &targets {
+            let layer = model.target_mut(&target.path).unwrap();
+            assert_eq!(
+                layer.dims(),
+                (target.in_features, target.out_features),
+                "{}",
+                target.path
+            );
+        }
+        for path in [
+            "blocks.0.attn",
+            "blocks.99.mlp.fc1",
+            "merger.mlp.1",
+            "blocks.x.mlp.fc1",
+        ] {
+            assert!(model.target_mut(path).is_none(), "{path}");
+        }
+    }
+}

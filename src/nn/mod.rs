@@ -1,0 +1,5 @@
+//! The layers models are written in, built from [`crate::ops`].
+
+mod lora_linear;
+
+pub use lora_linear::LoraLinear;

@@ -1,0 +1,198 @@
+//! QuickGELU, `x · sigmoid(1.702 · x)` (the MLP activation of Qwen2-VL's vision blocks), as a
+//! backend extension; and GELU (the merger's) in f32 whatever the dtype.
+//!
+//! Composed from Burn's ops it is three passes over the MLP's widest activation, and on Flex (the
+//! CPU backend) each of them runs on one core with a scalar `exp`: about 60 ms per block at 2048
+//! rows on 2 cores, a tenth of the block. Flex here makes one in-place pass split over the rayon
+//! threads, in SIMD lanes ([`exp`]). The GPU backends keep the composed form
+//! ([`composed`]), which Burn's fusion compiles into one kernel with its neighbours.
+
+use burn::backend::{
+    Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor, wgpu::CubeBackend,
+};
+use burn::tensor::activation::gelu;
+use burn::tensor::{DType, Tensor};
+use multiversion::multiversion;
+use rayon::prelude::*;
+
+use crate::runtime::exp::exp;
+use crate::runtime::flex::{dense, values_mut};
+
+/// QuickGELU's slope: `x · sigmoid(1.702 · x)` approximates GELU.
+pub const QUICK_GELU_SLOPE: f32 = 1.702;
+
+/// Values per rayon task: a few hundred KiB, enough to hide the task's overhead.
+const CHUNK: usize = 1 << 16;
+
+/// Activations with a faster implementation than their composition on some backend.
+#[backend_extension(Cube, Flex, Fusion)]
+pub trait ActivationBackend: Backend {
+    /// `x · sigmoid(1.702 · x)`, element-wise.
+    #[fusion(default)]
+    fn quick_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        composed::<Self>(x)
+    }
+}
+
+/// QuickGELU from Burn's element-wise ops, on any backend.
+pub fn composed<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    let gate = B::sigmoid(B::float_mul_scalar(x.clone(), QUICK_GELU_SLOPE.into()));
+    B::float_mul(x, gate)
+}
+
+/// QuickGELU of `x` on the backend of its device.
+pub fn quick_gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as ActivationBackend>::quick_gelu(
+        x.into_dispatch(),
+    ))
+}
+
+/// GELU, `x · Φ(x)` with the error function (the merger's activation), computed in f32
+/// whatever `x`'s dtype, the result in `x`'s dtype: PyTorch's f16 GELU computes in f32 and
+/// rounds once, while Burn's composed GELU on an f16 tensor evaluates its `erf` polynomial in
+/// f16 and loses the negative tail (on lavapipe, −0 for GELU(−5.02) = −1.3·10⁻⁶).
+pub fn gelu_in_f32<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    let dtype = x.dtype();
+    gelu(x.cast(DType::F32)).cast(dtype)
+}
+
+impl ActivationBackend for CubeBackend {}
+
+impl ActivationBackend for Flex {
+    /// f32 in one parallel pass, in place when `x` is not shared; other dtypes composed.
+    fn quick_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        if x.dtype() != DType::F32 {
+            return composed::<Self>(x);
+        }
+        let mut y = dense(x);
+        values_mut(&mut y)
+            .par_chunks_mut(CHUNK)
+            .for_each(quick_gelu_in_place);
+        y
+    }
+}
+
+/// QuickGELU over `values` as `x / (1 + exp(−1.702 · x))`, in SIMD lanes ([`exp`]): the quotient
+/// keeps the limits exact (`exp` overflowing to ∞ gives −0 for large negative `x`; `x` itself
+/// for large positive), and NaN stays NaN.
+#[multiversion(targets = "simd")]
+fn quick_gelu_in_place(values: &mut [f32]) {
+    for x in values {
+        *x /= 1.0 + exp(-QUICK_GELU_SLOPE * *x);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::device;
+    use burn::tensor::{Distribution, TensorData};
+
+    /// QuickGELU in float64, value by value.
+    fn reference(values: &[f32]) -> Vec<f64> {
+        values
+            .iter()
+            .map(|&x| {
+                let x = f64::from(x);
+                x / (1.0 + (-f64::from(QUICK_GELU_SLOPE) * x).exp())
+            })
+            .collect()
+    }
+
+    /// Flex's pass against float64 over the range that matters and past both ends, with a
+    /// length that leaves a remainder after the 8-value lanes and spans several rayon tasks.
+    #[test]
+    fn flex_matches_float64() {
+        let cpu = device::cpu();
+        let n = 3 * CHUNK + 5;
+        let x = Tensor::<2>::random([n, 1], Distribution::Uniform(-12.0, 12.0), &cpu.device);
+        let mut values = x.into_data().try_to_vec::<f32>().unwrap();
+        values.extend([
+            0.0, -0.0, 1e-30, -1e-30, 40.0, -40.0, 60.0, -60.0, 100.0, -100.0,
+        ]);
+        let expected = reference(&values);
+        let len = values.len();
+        let x = Tensor::<1>::from_data(TensorData::new(values.clone(), [len]), &cpu.device);
+        let y = quick_gelu(x).into_data().try_to_vec::<f32>().unwrap();
+        let epsilon = f64::from(f32::EPSILON);
+        for ((&x, &y), &expected) in values.iter().zip(&y).zip(&expected) {
+            let error = (f64::from(y) - expected).abs();
+            if expected.abs() < f64::from(f32::MIN_POSITIVE) {
+                // Below f32's normal range (x < −51): flushing towards zero is all f32 can do.
+                assert!(
+                    error < f64::from(f32::MIN_POSITIVE),
+                    "x = {x}: {y} vs {expected}"
+                );
+                continue;
+            }
+            // Tolerance: rounding 1.702·x moves exp's argument by |1.702·x|·ε, which exp turns
+            // into that relative error; exp's own (≤ 2 ulp), the add and the divide add 4 ε.
+            let bound = (f64::from(QUICK_GELU_SLOPE * x).abs() + 4.0) * epsilon * expected.abs();
+            assert!(
+                error <= bound,
+                "x = {x}: {y} vs {expected} (bound {bound:e})"
+            );
+        }
+        assert_eq!(
+            y[len - 1].to_bits(),
+            (-0.0f32).to_bits(),
+            "QuickGELU(−100) is −0"
+        );
+    }
+
+    /// Flex's pass and Burn's composed ops agree, on a strided view too, and the input a caller
+    /// still holds is left as it was.
+    #[test]
+    fn flex_matches_composed_ops() {
+        let cpu = device::cpu();
+        let x = Tensor::<2>::random([96, 40], Distribution::Uniform(-8.0, 8.0), &cpu.device);
+        let before = x.clone().into_data();
+        for input in [x.clone(), x.clone().transpose()] {
+            let expected = Tensor::<2>::from_primitive::<Flex>(composed::<Flex>(
+                input.clone().try_into_primitive::<Flex>().unwrap(),
+            ));
+            // Tolerance: two f32 evaluations of the same value, each within a few ulp.
+            quick_gelu(input).into_data().assert_approx_eq::<f32>(
+                &expected.into_data(),
+                burn::tensor::Tolerance::relative(1e-5),
+            );
+        }
+        x.into_data().assert_eq(&before, true);
+    }
+
+    /// In f16 (on a GPU with `SHADER_F16`), each value is float64's GELU of the f16 input
+    /// rounded to f16 once, within what Burn's f32 `erf` polynomial adds: computed in f16, the
+    /// polynomial misses this bound (at −5.02 first, counting from −8).
+    #[test]
+    fn f16_gelu_computes_in_f32_and_rounds_once() {
+        let Some(gpu) = device::gpu_for_tests().filter(device::f16_for_tests) else {
+            return;
+        };
+        let mut values: Vec<f32> = (-1600..=1600).map(|i| i as f32 / 200.0).collect();
+        values.extend([-20.0, -10.0, 10.0, 20.0, 1e-4, -1e-4]);
+        let len = values.len();
+        let x =
+            Tensor::<1>::from_data(TensorData::new(values, [len]), &gpu.device).cast(DType::F16);
+        let got = gelu_in_f32(x.clone());
+        assert_eq!(got.dtype(), DType::F16);
+        let floats = |t: Tensor<1>| t.cast(DType::F32).into_data().try_to_vec::<f32>().unwrap();
+        for (x, y) in floats(x).into_iter().zip(floats(got)) {
+            let (x, y) = (f64::from(x), f64::from(y));
+            let exact = 0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2));
+            // Tolerance: half an f16 ulp of the result (its one rounding; 2^-24 below f16's
+            // normal range); Burn's f32 erf, within 1.5e-7 (Abramowitz and Stegun 7.1.26) plus
+            // its f32 arithmetic, taken as 5e-7, times |x| / 2; and the f32 products, 2^-22
+            // of the result.
+            let ulp = if exact.abs() < 2f64.powi(-14) {
+                2f64.powi(-24)
+            } else {
+                2f64.powi(exact.abs().log2().floor() as i32 - 10)
+            };
+            let bound = ulp / 2.0 + 5e-7 * x.abs() / 2.0 + 2f64.powi(-22) * exact.abs();
+            assert!(
+                (y - exact).abs() <= bound,
+                "GELU({x}): {y} against {exact}, bound {bound:e}"
+            );
+        }
+    }
+}
