@@ -7,13 +7,13 @@ mod common;
 
 use burn::tensor::{Distribution, Tensor};
 use common::{errors, fixture_dir, fixture_requests};
-use mmlora::bench::Preset;
-use mmlora::device::{self, RuntimeDevice};
 use mmlora::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
-use mmlora::lora::meta::{KernelMeta, NO_SLOT};
-use mmlora::lora::ops::LoraBatch;
-use mmlora::model::qwen2_vl::Qwen2VlVision;
-use mmlora::model::sdpa::AttentionKernel;
+use mmlora::models::qwen2_vl::Preset;
+use mmlora::models::qwen2_vl::Qwen2VlVision;
+use mmlora::ops::attention::AttentionKernel;
+use mmlora::ops::lora::LoraBatch;
+use mmlora::routing::meta::{KernelMeta, NO_SLOT};
+use mmlora::runtime::device::{self, RuntimeDevice};
 
 /// The tiny model's widest row: one patch of 3 × 2 × 14 × 14 values, 4 bytes each.
 const TINY_ROW_BYTES: u64 = 1176 * 4;
@@ -163,21 +163,23 @@ fn the_gpu_step_limit_follows_its_binding_limit() {
     let limit = gpu.buffer_limit.expect("a GPU reports its binding limit");
     let engine = Engine::open(&fixture_dir(), gpu.clone(), EngineOptions::default()).unwrap();
     let model_rows =
-        (limit.min(mmlora::model::qwen2_vl::DEFAULT_BUFFER_LIMIT) / TINY_ROW_BYTES) as usize / 4
+        (limit.min(mmlora::models::qwen2_vl::DEFAULT_BUFFER_LIMIT) / TINY_ROW_BYTES) as usize / 4
             * 4;
     assert_eq!(
         engine.step_rows(),
         model_rows.min(EngineOptions::default().max_step_rows)
     );
-    let model = Qwen2VlVision::random(Preset::Qwen2Vl2b.config(), &device::cpu().device);
+    let mut model = Qwen2VlVision::random(Preset::Qwen2Vl2b.config(), &device::cpu().device);
+    model.set_buffer_limit(limit);
+    let rows_2b = model.max_rows();
     println!(
-        "{}: binding limit {} MiB; the 2B tower there would take {} rows per step",
+        "{}: binding limit {} MiB; the 2B tower there would take {rows_2b} rows per step",
         gpu.description,
         limit >> 20,
-        {
-            let mut model = model;
-            model.set_buffer_limit(limit);
-            model.max_rows()
-        }
     );
+    // The 2B tower's widest row is its MLP's hidden row, 1280 · 4 f32 values; a step takes whole
+    // merge blocks of 2 × 2 rows.
+    const QWEN2_VL_2B_ROW_BYTES: u64 = 1280 * 4 * 4;
+    assert_eq!(rows_2b as u64, limit / QWEN2_VL_2B_ROW_BYTES / 4 * 4);
+    assert!(rows_2b >= 4, "a step holds at least one merge block");
 }
