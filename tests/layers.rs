@@ -33,32 +33,27 @@ struct Source {
 fn sources() -> Vec<Source> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut found = Vec::new();
-    let mut folders = vec![root.clone()];
-    while let Some(folder) = folders.pop() {
-        for entry in std::fs::read_dir(folder).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                folders.push(path);
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                let file = path
-                    .strip_prefix(&root)
-                    .unwrap()
-                    .to_string_lossy()
-                    .into_owned();
-                let mut module: Vec<String> = file
-                    .trim_end_matches(".rs")
-                    .split('/')
-                    .map(str::to_owned)
-                    .collect();
-                if matches!(
-                    module.last().map(String::as_str),
-                    Some("mod" | "lib" | "main")
-                ) {
-                    module.pop();
-                }
-                let text = std::fs::read_to_string(&path).unwrap();
-                found.push(Source { file, module, text });
+    for entry in walkdir::WalkDir::new(&root) {
+        let path = entry.unwrap().into_path();
+        if path.extension().is_some_and(|e| e == "rs") {
+            let file = path
+                .strip_prefix(&root)
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            let mut module: Vec<String> = file
+                .trim_end_matches(".rs")
+                .split('/')
+                .map(str::to_owned)
+                .collect();
+            if matches!(
+                module.last().map(String::as_str),
+                Some("mod" | "lib" | "main")
+            ) {
+                module.pop();
             }
+            let text = std::fs::read_to_string(&path).unwrap();
+            found.push(Source { file, module, text });
         }
     }
     found.sort_by(|a, b| a.file.cmp(&b.file));

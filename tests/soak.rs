@@ -7,6 +7,7 @@
 mod common;
 
 use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
 
 use common::{SplitMix, errors, fixture_dir};
 use image::RgbImage;
@@ -83,9 +84,14 @@ fn rss_mib() -> Option<(f64, f64)> {
 /// +0.9 MiB on lavapipe over 2,070 batches after the first tenth, BENCHMARKS.md).
 const SECOND_PASS_GROWTH_MIB: f64 = 8.0;
 
+/// Held by each soak for its whole run: resident memory is the process's, so a soak measures
+/// its own only while no other runs beside it.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
 /// Runs `batches` random batches on `on`, twice; every request within `rel_tol` of itself run
 /// alone, and the second pass within [`SECOND_PASS_GROWTH_MIB`] of the first's memory.
 fn soak(on: &RuntimeDevice, batches: usize, rel_tol: f64, seed: u64) {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
     let images = images(&mut SplitMix(seed));
     let names = adapter_names();
     let mut engines: Vec<Engine> = ENGINE_SHAPES

@@ -245,7 +245,7 @@ pub fn run(
         configurations.extend(spec.adapters.iter().map(|&k| (k, rank, compute)));
     }
     if spec.linear_kernel == LinearKernel::Auto {
-        let others = LinearKernel::candidates(device, spec.precision.dtype());
+        let others = LinearKernel::candidates(device, spec.precision.dtype(), false);
         let others = others.iter().filter(|&&other| other != kernel);
         configurations.extend(others.map(|&other| (0, 0, spec.compute(other, attention))));
     }

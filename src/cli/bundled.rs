@@ -111,25 +111,20 @@ mod tests {
     #[test]
     fn bundle_is_the_assets_folder() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-qwen2-vl");
-        let mut on_disk = Vec::new();
-        let mut folders = vec![root.clone()];
-        while let Some(folder) = folders.pop() {
-            for entry in std::fs::read_dir(folder).unwrap() {
-                let path = entry.unwrap().path();
-                if path.is_dir() {
-                    folders.push(path);
-                } else {
-                    let rel = path
-                        .strip_prefix(&root)
-                        .unwrap()
-                        .to_string_lossy()
-                        .into_owned();
-                    if rel != "expected.safetensors" {
-                        on_disk.push(rel);
-                    }
-                }
-            }
-        }
+        let mut on_disk: Vec<String> = walkdir::WalkDir::new(&root)
+            .into_iter()
+            .map(Result::unwrap)
+            .filter(|entry| entry.file_type().is_file())
+            .map(|entry| {
+                entry
+                    .path()
+                    .strip_prefix(&root)
+                    .unwrap()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .filter(|rel| rel != "expected.safetensors")
+            .collect();
         on_disk.sort();
         let bundled: Vec<&str> = FILES.iter().map(|(path, _)| *path).collect();
         assert_eq!(on_disk, bundled);

@@ -33,6 +33,7 @@ use crate::ops::linear::choice::LinearChoice;
 use crate::ops::linear::{self, CoopTiling, LinearKernel};
 use crate::ops::lora::{LoraBatch, MAX_RANK, ShrinkKernel};
 use crate::ops::norm::NormKernel;
+use crate::ops::rotary::RotaryKernel;
 use crate::preprocess::{Patches, PreprocessConfig, PreprocessError, load_image, preprocess};
 use crate::routing::mapping::{
     AdapterRequest, EncoderCache, LoraState, MappingError, MmFeature, MmLoraActivation, Modality,
@@ -347,6 +348,7 @@ impl Engine {
         model.set_linear_kernel(LinearChoice::new(options.linear_kernel, &device, dtype));
         model.set_attention_kernel(options.attention_kernel.resolve(&device));
         model.set_norm_kernel(NormKernel::for_device(&device));
+        model.set_rotary_kernel(RotaryKernel::for_device(&device));
         Ok(Self {
             model,
             preprocess,

@@ -7,6 +7,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod hardware;
 pub mod linear;
 pub mod lora;
 pub mod norm;

@@ -6,4 +6,5 @@ pub mod exp;
 pub mod flex;
 pub mod stages;
 pub mod timing;
+pub mod tuner;
 pub mod wgsl;

@@ -1,19 +1,12 @@
-//! Timing kernels on the device while the runtime runs: how the ops' kernel choices that are
-//! made by measurement (the linears' kernel, the LoRA shrink, whether the LoRA op runs fused
-//! into the linear) time their candidates.
+//! Timing work on the device: the clocks the tuner ([`super::tuner`]) and the benches read,
+//! each waiting for the device before and after what it times.
 
 use std::time::{Duration, Instant};
 
-use burn::tensor::{DType, Device, Tensor, s};
+use burn::tensor::{Device, Tensor};
 
 /// Timed runs per candidate, after the one that compiled it.
 pub const TIMED_RUNS: usize = 3;
-
-/// The median time of [`TIMED_RUNS`] runs of `run`, each between device syncs, or the
-/// device's error.
-pub fn median_time(device: &Device, run: impl Fn() -> Tensor<2>) -> Result<Duration, String> {
-    median_time_per_call(device, 1, run)
-}
 
 /// The median time per call of [`TIMED_RUNS`] runs of `calls` calls of `run` each, back to back
 /// between device syncs (as a forward pass runs its layers: where one call takes about what a
@@ -53,12 +46,4 @@ pub fn time_per_call(
 /// shows, since a sync alone does not report a refused launch.
 pub fn read(tensor: Tensor<1>) -> Result<f32, String> {
     tensor.try_into_scalar::<f32>().map_err(|e| e.to_string())
-}
-
-/// Reads one value of `output`, the first run of a candidate (which compiled its pipelines): a
-/// failure of the device, or of an allocation for the candidate's tensors, shows here, where a
-/// sync alone would time the refused launches.
-pub fn first_run(output: Tensor<2>) -> Result<(), String> {
-    let value = output.slice(s![0..1, 0..1]).reshape([1]).cast(DType::F32);
-    read(value).map(drop)
 }

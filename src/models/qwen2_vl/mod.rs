@@ -19,7 +19,7 @@ use crate::ops::attention::wgsl as fused_attention;
 use crate::ops::linear::choice::LinearChoice;
 use crate::ops::lora::{LoraBatch, LoraOpError};
 use crate::ops::norm::{self, NormKernel};
-use crate::ops::rotary::rotate_packed;
+use crate::ops::rotary::{RotaryKernel, rotate_packed};
 use crate::preprocess::grid_rows;
 use crate::runtime::stages::{Stage, StageClock};
 pub use config::{ConfigError, DEFAULT_ROPE_THETA, LoraTarget, VisionConfig};
@@ -138,6 +138,7 @@ pub struct Qwen2VlVision {
     attention_kernel: AttentionKernel,
     /// Which implementation computes the layer norms.
     norm_kernel: NormKernel,
+    rotary_kernel: RotaryKernel,
     /// The dtype the weights and activations are in (f32, or f16 on a GPU that has it).
     dtype: DType,
     /// Where the forward pass marks its stages (detached unless a benchmark attaches one).
@@ -242,6 +243,7 @@ impl Qwen2VlVision {
             buffer_limit: DEFAULT_BUFFER_LIMIT,
             attention_kernel: AttentionKernel::Burn,
             norm_kernel: NormKernel::Composed,
+            rotary_kernel: RotaryKernel::Fused,
             dtype: DType::F32,
             stages: StageClock::default(),
         })
@@ -303,6 +305,11 @@ impl Qwen2VlVision {
     /// Computes the layer norms with `kernel`.
     pub fn set_norm_kernel(&mut self, kernel: NormKernel) {
         self.norm_kernel = kernel;
+    }
+
+    /// Rotates `q` and `k` with `kernel`.
+    pub fn set_rotary_kernel(&mut self, kernel: RotaryKernel) {
+        self.rotary_kernel = kernel;
     }
 
     /// Marks the end of each stage of [`Self::forward`] on `clock` (clones of the model share
@@ -477,8 +484,8 @@ impl Qwen2VlVision {
             .reshape([rows, 3, heads, hd]);
         let [q_cos, q_sin] = &rotary.q;
         let [k_cos, k_sin] = &rotary.k;
-        let q = rotate_packed(&qkv, 0, q_cos, q_sin);
-        let k = rotate_packed(&qkv, 1, k_cos, k_sin);
+        let q = rotate_packed(&qkv, 0, q_cos, q_sin, self.rotary_kernel);
+        let k = rotate_packed(&qkv, 1, k_cos, k_sin, self.rotary_kernel);
         let v = qkv.slice([0..rows, 2..3]).reshape([rows, heads, hd]);
         self.stages.mark(Stage::Rotary);
         let outputs = pieces

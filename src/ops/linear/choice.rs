@@ -1,35 +1,20 @@
 //! Which kernel computes each linear's base product: one named kernel, or the fastest of the
-//! device's candidates for each shape, timed on the device.
+//! device's candidates for each shape, timed on the device by the runtime's one tuner
+//! ([`crate::runtime::tuner`]).
 //!
 //! [`LinearChoice::Timed`] (what `auto` takes on a hardware GPU, where no one kernel is the
 //! fastest on every GPU) decides the first time a product of a shape runs, on that product's
-//! own rows:
-//! 1. Burn's matmul computes the product in f32, the reference.
-//! 2. Each candidate runs once (its pipelines compiled, Burn's autotune run), and each but
-//!    Burn's has its output checked against the reference within the rounding bound a correct
-//!    kernel keeps to (`Reference`): a kernel that a device's shader compiler gets wrong is
-//!    never picked.
-//! 3. Each candidate that passed runs [`TIMED_RUNS`](crate::runtime::timing::TIMED_RUNS) more
-//! times,
-//!    between device syncs; the median time is its time, and the fastest is kept for the shape.
-//!
-//! The picks are kept for the process, per device, dtype and shape (rows rounded up to a power
-//! of two), as Burn keeps its autotune's. A device failure while timing keeps nothing (until
-//! the [`TIMING_TRIES`]th, which keeps Burn's matmul): that product runs with Burn's matmul,
-//! and the failure surfaces where the step reads its results. Nor does a batch that cannot
-//! decide: inputs that are not finite, or a product a correct kernel may overflow the output's
-//! dtype on (until the [`UNDECIDED_TRIES`]th, which keeps Burn's matmul too).
-
-use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex, PoisonError};
-use std::time::Duration;
+//! own rows: each candidate's output is checked against Burn's matmul in f32 within the
+//! rounding bound a correct kernel keeps to ([`reference`]), and the fastest of those that
+//! pass is kept per device, dtype and shape (rows rounded up to a power of two). Burn's matmul
+//! is what runs where nothing is kept.
 
 use burn::backend::{Device as _, DeviceId};
 use burn::tensor::{DType, Tensor};
 
 use super::{LinearKernel, linear};
 use crate::runtime::device::RuntimeDevice;
-use crate::runtime::timing::{median_time, read};
+use crate::runtime::tuner::{self, Candidate, Reference, Timing, Trial, Tuner};
 
 /// How a layer's base product picks its kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,16 +23,6 @@ pub enum LinearChoice {
     Fixed(LinearKernel),
     /// The fastest of these for each shape (Burn's among them: the reference).
     Timed(&'static [LinearKernel]),
-}
-
-/// What timing one shape found for one candidate.
-#[derive(Debug, Clone, PartialEq)]
-struct Timing {
-    /// The candidate.
-    kernel: LinearKernel,
-    /// Its median time, or why it was not timed (its output was off the reference, or its
-    /// launch failed).
-    outcome: Result<Duration, String>,
 }
 
 /// A shape picks are kept for.
@@ -63,71 +38,27 @@ struct ShapeKey {
     candidates: &'static [LinearKernel],
 }
 
-/// Failed timings of one shape after which its product keeps Burn's matmul: a device that
-/// cannot hold the f32 reference beside a step fails each try, and would pay for one each call.
-pub const TIMING_TRIES: usize = 2;
-
-/// Batches of one shape that could not decide after which its product keeps Burn's matmul:
-/// each builds the f32 reference (a cast, two more products, a blocking read) to find that out.
-pub const UNDECIDED_TRIES: usize = 4;
-
-/// Tries of one shape that kept nothing.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-struct Tries {
-    /// The device failed while timing (below [`TIMING_TRIES`]).
-    failed: usize,
-    /// The batch could not decide (below [`UNDECIDED_TRIES`]).
-    undecided: usize,
-}
-
-/// Why a try kept nothing.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Miss {
-    /// The device failed while timing.
-    Failed,
-    /// The inputs were not finite, or a correct output may overflow its dtype: no bound.
-    Undecided,
-}
-
-/// What this process found of each shape so far.
-#[derive(Debug, Default)]
-struct Picks {
-    /// The kernel kept for each shape.
-    kept: HashMap<ShapeKey, LinearKernel>,
-    /// The tries of each shape that kept nothing, while it keeps no kernel.
-    tries: HashMap<ShapeKey, Tries>,
-}
-
-impl Picks {
-    /// Counts one more try of `key` that kept nothing, for `miss`; at that count's limit the
-    /// shape keeps Burn's matmul. Whether it now does.
-    fn missed(&mut self, key: ShapeKey, miss: Miss) -> bool {
-        let tries = self.tries.entry(key.clone()).or_default();
-        let (count, limit) = match miss {
-            Miss::Failed => (&mut tries.failed, TIMING_TRIES),
-            Miss::Undecided => (&mut tries.undecided, UNDECIDED_TRIES),
-        };
-        *count += 1;
-        let keeps_burn = *count >= limit;
-        if keeps_burn {
-            self.tries.remove(&key);
-            self.kept.insert(key, LinearKernel::Burn);
-        }
-        keeps_burn
+impl Candidate for LinearKernel {
+    fn name(self) -> &'static str {
+        LinearKernel::name(self)
     }
 }
 
-static PICKS: LazyLock<Mutex<Picks>> = LazyLock::new(Mutex::default);
+static TUNER: Tuner<ShapeKey, LinearKernel> = Tuner::new("linear kernel");
 
 impl LinearChoice {
     /// What `kernel` means on `device` for tensors of `dtype`: `Timed` over the device's
     /// [`LinearKernel::candidates`] (`Fixed` where there is one), any other kernel `Fixed`.
+    /// `auto` times only the kernels checked on a hardware GPU; `timed`, chosen by name, all.
     pub fn new(kernel: LinearKernel, device: &RuntimeDevice, dtype: DType) -> Self {
+        let hardware_checked = kernel == LinearKernel::Auto;
         match kernel.resolve(device) {
-            LinearKernel::Timed => match LinearKernel::candidates(device, dtype) {
-                [only] => LinearChoice::Fixed(*only),
-                all => LinearChoice::Timed(all),
-            },
+            LinearKernel::Timed => {
+                match LinearKernel::candidates(device, dtype, hardware_checked) {
+                    [only] => LinearChoice::Fixed(*only),
+                    all => LinearChoice::Timed(all),
+                }
+            }
             fixed => LinearChoice::Fixed(fixed),
         }
     }
@@ -167,7 +98,7 @@ fn pick(
     x: &Tensor<2>,
     weight_t: &Tensor<2>,
     bias: Option<&Tensor<1>>,
-) -> (LinearKernel, Option<Vec<Timing>>) {
+) -> (LinearKernel, Option<Vec<Timing<LinearKernel>>>) {
     let [rows, in_features] = x.dims();
     let [_, out_features] = weight_t.dims();
     if rows == 0 {
@@ -182,188 +113,51 @@ fn pick(
         bias: bias.is_some(),
         candidates,
     };
-    // Held while timing: two callers timing at once would slow each other's runs.
-    let mut picks = PICKS.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(&kernel) = picks.kept.get(&key) {
-        return (kernel, None);
-    }
-    let timings = match time_candidates(candidates, x, weight_t, bias) {
-        Ok(Some(timings)) => timings,
-        Ok(None) => {
-            let keeps_burn = picks.missed(key.clone(), Miss::Undecided);
-            tracing::debug!(
-                ?key,
-                keeps_burn,
-                "inputs not finite or the output's dtype overflowed: Burn's matmul, nothing timed"
-            );
-            return (LinearKernel::Burn, None);
-        }
-        Err(error) => {
-            let keeps_burn = picks.missed(key.clone(), Miss::Failed);
-            tracing::warn!(?key, %error, keeps_burn, "the device failed while timing linear kernels");
-            return (LinearKernel::Burn, None);
-        }
+    let run = |kernel| linear(x.clone(), weight_t, bias, kernel);
+    let trial = Trial {
+        candidates,
+        fallback: LinearKernel::Burn,
+        calls: 1,
+        run: &run,
     };
-    let fastest = fastest(&timings);
-    let times: Vec<String> = timings
-        .iter()
-        .map(|timing| match &timing.outcome {
-            Ok(time) => format!(
-                "{} {:.3} ms",
-                timing.kernel.name(),
-                time.as_secs_f64() * 1e3
-            ),
-            Err(why) => {
-                tracing::warn!(rows, in_features, out_features, dtype = ?key.dtype,
-                    kernel = timing.kernel.name(), why, "a linear kernel left out");
-                format!("{} left out", timing.kernel.name())
-            }
-        })
-        .collect();
-    tracing::info!(rows, in_features, out_features, dtype = ?key.dtype,
-        picked = fastest.name(), times = times.join(", "), "linear kernels timed");
-    picks.tries.remove(&key);
-    picks.kept.insert(key, fastest);
-    (fastest, Some(timings))
-}
-
-/// The fastest of the candidates that passed their check; Burn's matmul where none did.
-fn fastest(timings: &[Timing]) -> LinearKernel {
-    timings
-        .iter()
-        .filter_map(|t| t.outcome.as_ref().ok().map(|time| (time, t.kernel)))
-        .min_by_key(|&(time, _)| time)
-        .map_or(LinearKernel::Burn, |(_, kernel)| kernel)
-}
-
-/// Checks and times every candidate on these inputs (steps 1–3 of the module's doc); `None`
-/// where the batch cannot decide ([`Reference::new`]): nothing to check against.
-fn time_candidates(
-    candidates: &[LinearKernel],
-    x: &Tensor<2>,
-    weight_t: &Tensor<2>,
-    bias: Option<&Tensor<1>>,
-) -> Result<Option<Vec<Timing>>, String> {
-    let device = x.device();
-    let Some(reference) = Reference::new(x, weight_t, bias)? else {
-        return Ok(None);
-    };
-    let mut timings = Vec::with_capacity(candidates.len());
-    for &kernel in candidates {
-        // The first run compiles the kernel's pipelines (and runs Burn's autotune).
-        let output = linear(x.clone(), weight_t, bias, kernel);
-        let checked = match kernel {
-            // What runs where no other kernel is taken: nothing to check it against.
-            LinearKernel::Burn => Ok(()),
-            _ => reference.check(&output),
-        };
-        drop(output);
-        let outcome = match checked {
-            Ok(()) => Ok(median_time(&device, || {
-                linear(x.clone(), weight_t, bias, kernel)
-            })?),
-            Err(why) => Err(why),
-        };
-        timings.push(Timing { kernel, outcome });
-    }
-    Ok(Some(timings))
+    TUNER.pick(key, &x.device(), &trial, || reference(x, weight_t, bias))
 }
 
 /// What a candidate's output is checked against: the product in f32 by Burn's matmul (of the
-/// inputs as they are, f16 values being exact in f32), and a bound on how far a correct
-/// kernel's output may be from it.
-struct Reference {
-    /// `x · Wᵀ + b` in f32.
-    product: Tensor<2>,
-    /// Per element, twice the worst-case error of an f32 sum of its `in + 1` terms, `γ(in + 1)
-    /// · (|x|·|Wᵀ| + |b|)` with `γ(n) = n·u / (1 − n·u)` (Higham, Accuracy and Stability of
-    /// Numerical Algorithms, §3.1), at `u = 2⁻²³` rather than `2⁻²⁴` since tensor cores may
-    /// truncate their sums: the reference's error plus the candidate's, in any order of
-    /// summation.
-    bound: Tensor<2>,
-}
-
-/// The smallest magnitude f16 rounds to infinity: its largest value, 65504, plus half its
-/// ulp there (16).
-const F16_OVERFLOW: f32 = 65520.0;
-
-impl Reference {
-    /// The reference for these inputs; `None` where the bound is not finite (an infinite or
-    /// NaN input), or where in f16 a correct kernel's sum may reach [`F16_OVERFLOW`]: such a
-    /// kernel may give an infinity there, whose distance from the product is NaN, and would be
-    /// left out for a value it got right.
-    fn new(
-        x: &Tensor<2>,
-        weight_t: &Tensor<2>,
-        bias: Option<&Tensor<1>>,
-    ) -> Result<Option<Self>, String> {
-        let [_, in_features] = x.dims();
-        let output_dtype = x.dtype();
-        let x = x.clone().cast(DType::F32);
-        let weight_t = weight_t.clone().cast(DType::F32);
-        let bias = bias.map(|b| b.clone().cast(DType::F32));
-        let product = linear(x.clone(), &weight_t, bias.as_ref(), LinearKernel::Burn);
-        let magnitudes = x.abs().matmul(weight_t.abs());
-        let magnitudes = match bias {
-            Some(bias) => magnitudes + bias.abs().unsqueeze_dim(0),
-            None => magnitudes,
-        };
-        if !read(magnitudes.clone().sum())?.is_finite() {
-            return Ok(None);
-        }
-        let nu = (in_features + 1) as f64 * f64::from(f32::EPSILON);
-        let gamma = nu / (1.0 - nu);
-        let bound = magnitudes * (2.0 * gamma);
-        // The bound is twice a correct sum's distance from the product: its reach bounds that
-        // sum's magnitude.
-        if output_dtype == DType::F16
-            && read((product.clone().abs() + bound.clone()).max())? >= F16_OVERFLOW
-        {
-            return Ok(None);
-        }
-        Ok(Some(Self { product, bound }))
-    }
-
-    /// Whether a candidate's `output` may be timed: within the bound ([`Self::disagreement`]
-    /// at most 1), else why not.
-    fn check(&self, output: &Tensor<2>) -> Result<(), String> {
-        match self.disagreement(output) {
-            Ok(ratio) if ratio <= 1.0 => Ok(()),
-            Ok(ratio) => Err(format!(
-                "its output is off by {ratio:.3e} times the rounding bound"
-            )),
-            Err(error) => Err(format!("its launch failed: {error}")),
-        }
-    }
-
-    /// The largest `|output − product| / allowed` over the elements, `allowed` the bound plus
-    /// the rounding of `output` to its dtype (f16's `2⁻¹¹`, taken of `|output| + |product|`)
-    /// plus that rounding's least (half the spacing of the dtype's subnormals: `2⁻²⁵` in f16;
-    /// in f32 its smallest normal, `2⁻¹²⁶`, which holds a flushed subnormal too): at most 1 for
-    /// a correct kernel. NaN (not `≤ 1`) where `output` has a NaN.
-    fn disagreement(&self, output: &Tensor<2>) -> Result<f32, String> {
-        let (unit_roundoff, least) = match output.dtype() {
-            DType::F16 => (f32::powi(2.0, -11), f32::powi(2.0, -25)),
-            _ => (f32::EPSILON / 2.0, f32::MIN_POSITIVE),
-        };
-        let output = output.clone().cast(DType::F32);
-        let rounding = (output.clone().abs() + self.product.clone().abs()) * unit_roundoff;
-        let allowed = self.bound.clone() + rounding + least;
-        let ratio = (output - self.product.clone()).abs() / allowed;
-        // Read apart from the largest, which a reduction may take skipping NaNs.
-        let worst = read(ratio.clone().max())?;
-        let nan = read(ratio.is_nan().any().float())? > 0.0;
-        Ok(if nan { f32::NAN } else { worst })
-    }
+/// inputs as they are, f16 values being exact in f32), and per element twice the worst-case
+/// error of an f32 sum of its `in + 1` terms, `γ(in + 1) · (|x|·|Wᵀ| + |b|)`
+/// ([`tuner::gamma`]). `None` where the batch cannot decide ([`Reference::new`]).
+pub(crate) fn reference(
+    x: &Tensor<2>,
+    weight_t: &Tensor<2>,
+    bias: Option<&Tensor<1>>,
+) -> Result<Option<Reference>, String> {
+    let [_, in_features] = x.dims();
+    let output_dtype = x.dtype();
+    let x = x.clone().cast(DType::F32);
+    let weight_t = weight_t.clone().cast(DType::F32);
+    let bias = bias.map(|b| b.clone().cast(DType::F32));
+    let product = linear(x.clone(), &weight_t, bias.as_ref(), LinearKernel::Burn);
+    let magnitudes = x.abs().matmul(weight_t.abs());
+    let magnitudes = match bias {
+        Some(bias) => magnitudes + bias.abs().unsqueeze_dim(0),
+        None => magnitudes,
+    };
+    let bound = magnitudes * (2.0 * tuner::gamma(in_features + 1));
+    Reference::new(product, bound, output_dtype)
 }
 
 #[cfg(test)]
 mod tests {
     use burn::tensor::{Device, Distribution, s};
 
+    use std::time::Duration;
+
     use super::*;
     use crate::ops::linear::coop_for_tests;
     use crate::runtime::device;
+    use crate::runtime::timing::read;
+    use crate::runtime::tuner::{TIMING_TRIES, UNDECIDED_TRIES};
 
     /// The CPU backend and, where wgpu finds one, the GPU.
     fn devices() -> Vec<RuntimeDevice> {
@@ -392,7 +186,7 @@ mod tests {
     fn the_check_passes_a_correct_product_and_fails_a_wrong_one() {
         for on in devices() {
             let (x, weight_t, bias) = random(37, 96, 40, &on.device);
-            let reference = Reference::new(&x, &weight_t, Some(&bias)).unwrap().unwrap();
+            let reference = reference(&x, &weight_t, Some(&bias)).unwrap().unwrap();
             let check = |output: Tensor<2>| reference.disagreement(&output).unwrap();
 
             // The same product summed in another order: the halves of `in` apart.
@@ -431,7 +225,7 @@ mod tests {
                 Tensor::full([1, 1], f32::INFINITY, &on.device),
             );
             assert!(
-                Reference::new(&infinite, &weight_t, Some(&bias))
+                super::reference(&infinite, &weight_t, Some(&bias))
                     .unwrap()
                     .is_none()
             );
@@ -475,7 +269,7 @@ mod tests {
                 let (x, weight_t, bias) = (x.cast(dtype), weight_t.cast(dtype), bias.cast(dtype));
                 let (picked, timings) = pick(all, &x, &weight_t, Some(&bias));
                 let timings = timings.expect("a new shape is timed");
-                let kernels: Vec<_> = timings.iter().map(|t| t.kernel).collect();
+                let kernels: Vec<_> = timings.iter().map(|t| t.candidate).collect();
                 assert_eq!(kernels, all, "{what}");
                 let times: Vec<Duration> = timings
                     .iter()
@@ -522,10 +316,7 @@ mod tests {
                 pick(ALL, &x, &weight_t, Some(&bias)),
                 (LinearKernel::Burn, None)
             );
-            let failed = Tries {
-                failed: tries,
-                undecided: 0,
-            };
+            let failed = (tries, 0);
             let expected = if tries < TIMING_TRIES {
                 (Some(failed), None)
             } else {
@@ -535,13 +326,10 @@ mod tests {
         }
     }
 
-    /// What the process holds of the one shape `this` picks out: its tries that kept nothing,
-    /// its kept kernel.
-    fn held(this: impl Fn(&ShapeKey) -> bool) -> (Option<Tries>, Option<LinearKernel>) {
-        let picks = PICKS.lock().unwrap_or_else(PoisonError::into_inner);
-        let tries = picks.tries.iter().find(|(k, _)| this(k)).map(|(_, &t)| t);
-        let kept = picks.kept.iter().find(|(k, _)| this(k)).map(|(_, &k)| k);
-        (tries, kept)
+    /// What the process holds of the one shape `this` picks out: its tries that kept nothing
+    /// (failed, undecided), its kept kernel.
+    fn held(this: impl Fn(&ShapeKey) -> bool) -> (Option<(usize, usize)>, Option<LinearKernel>) {
+        TUNER.held(this)
     }
 
     /// Batches that cannot decide (a NaN input; in f16, a product past f16's range, where both
@@ -582,10 +370,7 @@ mod tests {
                             (LinearKernel::Burn, None),
                             "{what}"
                         );
-                        let undecided = Tries {
-                            failed: 0,
-                            undecided: tries,
-                        };
+                        let undecided = (0, tries);
                         let expected = if tries < UNDECIDED_TRIES {
                             (Some(undecided), None)
                         } else {
@@ -611,8 +396,8 @@ mod tests {
             // x = 7 · 2⁻¹⁴ and Wᵀ = 2⁻¹³, both normal in f16.
             let x = Tensor::<2>::full([1, 1], 7.0 * f32::powi(2.0, -14), d).cast(DType::F16);
             let weight_t = Tensor::<2>::full([1, 1], f32::powi(2.0, -13), d).cast(DType::F16);
-            let reference = Reference::new(&x, &weight_t, None).unwrap().unwrap();
-            let rounded = reference.product.clone().cast(DType::F16);
+            let reference = reference(&x, &weight_t, None).unwrap().unwrap();
+            let rounded = reference.output.clone().cast(DType::F16);
             let subnormal = f32::powi(2.0, -24);
             assert_eq!(
                 rounded
@@ -635,13 +420,13 @@ mod tests {
         }
     }
 
-    /// A candidate whose output is off, or NaN, is left out, and the pick is the fastest of
-    /// those left: the only guard against a miscompiled kernel on a hardware GPU.
+    /// A candidate whose output is off, or NaN, fails the check that leaves it out of the
+    /// pick: the only guard against a miscompiled kernel on a hardware GPU.
     #[test]
     fn a_wrong_kernel_is_left_out_of_the_pick() {
         let cpu = device::cpu();
         let (x, weight_t, bias) = random(64, 96, 160, &cpu.device);
-        let reference = Reference::new(&x, &weight_t, Some(&bias)).unwrap().unwrap();
+        let reference = reference(&x, &weight_t, Some(&bias)).unwrap().unwrap();
         let right = linear(x.clone(), &weight_t, Some(&bias), LinearKernel::Burn);
         assert_eq!(reference.check(&right), Ok(()));
         // One element off by 1e-3 of the output's scale, far beyond f32's rounding.
@@ -654,17 +439,6 @@ mod tests {
             let why = reference.check(&wrong).unwrap_err();
             assert!(why.contains("off by"), "{why}");
         }
-
-        let timing = |kernel, outcome| Timing { kernel, outcome };
-        let ms = Duration::from_millis;
-        let timings = [
-            timing(LinearKernel::Burn, Ok(ms(5))),
-            timing(LinearKernel::Wgsl, Err("its output is off".to_owned())),
-            timing(LinearKernel::Tiled, Ok(ms(3))),
-        ];
-        assert_eq!(fastest(&timings), LinearKernel::Tiled);
-        assert_eq!(fastest(&timings[..2]), LinearKernel::Burn);
-        assert_eq!(fastest(&timings[1..2]), LinearKernel::Burn);
     }
 
     #[test]
@@ -678,7 +452,7 @@ mod tests {
         );
         if let Some(gpu) = device::gpu_for_tests() {
             for dtype in [DType::F32, DType::F16] {
-                let candidates = LinearKernel::candidates(&gpu, dtype);
+                let candidates = LinearKernel::candidates(&gpu, dtype, false);
                 assert_eq!(
                     LinearChoice::new(LinearKernel::Timed, &gpu, dtype),
                     LinearChoice::Timed(candidates)

@@ -164,21 +164,34 @@ impl LinearKernel {
     /// (each list holds Burn's, the reference the others are checked against): on a software
     /// GPU ours for it and Burn's; on a hardware GPU Burn's and our tiled one, and in f16 each
     /// of our cooperative-matrix ones the device runs; on the CPU Burn's (Flex's matmul).
+    /// With `hardware_checked`, what `auto` takes on a hardware GPU: of ours only those whose
+    /// shaders passed their tests on one ([`LinearShader::hardware_checked`]).
     ///
     /// A hardware GPU whose workgroups take fewer invocations than the tiled kernel's
     /// [`TILED_WORKGROUP`] (OpenGL ES 3.1 promises 128) times none of ours: Burn's alone (such
     /// a device with cooperative matrices, which `coop-wide`'s 128 invocations would fit, is
     /// not known).
-    pub fn candidates(device: &RuntimeDevice, dtype: DType) -> &'static [LinearKernel] {
+    pub fn candidates(
+        device: &RuntimeDevice,
+        dtype: DType,
+        hardware_checked: bool,
+    ) -> &'static [LinearKernel] {
         use LinearKernel::{Burn, Tiled, Wgsl};
-        /// `[Burn, Tiled]` and the coop kernels of each set (bit `i`: [`LinearKernel::COOP`]`[i]`).
-        static WITH_COOP: LazyLock<[Vec<LinearKernel>; 1 << LinearKernel::COOP.len()]> =
+        /// `[Burn, Tiled]` and the coop kernels of each set (bit `i`: [`LinearKernel::COOP`]`[i]`),
+        /// all of them or only the hardware-checked ones.
+        static WITH_COOP: LazyLock<[[Vec<LinearKernel>; 1 << LinearKernel::COOP.len()]; 2]> =
             LazyLock::new(|| {
-                std::array::from_fn(|set| {
-                    let coop = (0..LinearKernel::COOP.len())
-                        .filter(|i| set & (1 << i) != 0)
-                        .map(|i| LinearKernel::COOP[i]);
-                    [Burn, Tiled].into_iter().chain(coop).collect()
+                [false, true].map(|checked_only| {
+                    std::array::from_fn(|set| {
+                        let coop = (0..LinearKernel::COOP.len())
+                            .filter(|i| set & (1 << i) != 0)
+                            .map(|i| LinearKernel::COOP[i]);
+                        [Burn, Tiled]
+                            .into_iter()
+                            .chain(coop)
+                            .filter(|k| !checked_only || k.hardware_checked())
+                            .collect()
+                    })
                 })
             });
         let Some(setup) = device.wgpu.as_ref() else {
@@ -195,9 +208,15 @@ impl LinearKernel {
                 let set = (0..LinearKernel::COOP.len())
                     .filter(|&i| runs(LinearKernel::COOP[i]))
                     .fold(0, |set, i| set | 1 << i);
-                &WITH_COOP[set]
+                &WITH_COOP[usize::from(hardware_checked)][set]
             }
         }
+    }
+
+    /// Whether `self` may run on a hardware GPU under `auto`: Burn's, or ours where its shader
+    /// passed its tests on one ([`LinearShader::hardware_checked`]).
+    pub fn hardware_checked(self) -> bool {
+        self.shader().is_none_or(LinearShader::hardware_checked)
     }
 
     /// The kernel `self` picks on `device`: never `Auto` (`Timed` stays a choice to make per

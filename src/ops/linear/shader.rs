@@ -5,6 +5,7 @@ use burn::backend::wgpu::KernelSource;
 use burn::tensor::wgpu::WgpuSetup;
 
 use super::*;
+use crate::ops::hardware;
 use crate::runtime::device::RuntimeDevice;
 use crate::runtime::wgsl::Elem;
 
@@ -209,6 +210,14 @@ impl LinearShader {
             #[cfg(test)]
             LinearShader::CoopEmulated(_) => (COOP_ROWS, COOP_COLUMNS / 4),
         }
+    }
+
+    /// Whether every file this shader's base product is made of passed its tests on a
+    /// hardware GPU as it is now ([`crate::ops::hardware`]): what `auto` may take there.
+    pub fn hardware_checked(self) -> bool {
+        files(self)
+            .iter()
+            .all(|(path, text)| hardware::checked(path, text))
     }
 
     /// The WGSL source for `elem` on a device whose subgroups have `subgroup` invocations

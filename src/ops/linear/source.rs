@@ -36,11 +36,43 @@ impl LinearSource {
     }
 }
 
+/// `shaders/linear/linear.wgsl` (`wgsl`).
+const REGISTERS: &str = include_str!("../../../shaders/linear/linear.wgsl");
+/// `shaders/linear/linear_tiled.wgsl` (`tiled`).
+const TILED: &str = include_str!("../../../shaders/linear/linear_tiled.wgsl");
+/// `shaders/linear/linear_coop.wgsl` (`coop`, `coop-wide`).
+const COOP: &str = include_str!("../../../shaders/linear/linear_coop.wgsl");
+/// `shaders/linear/linear_coop_direct.wgsl` (`coop-direct`).
+const COOP_DIRECT: &str = include_str!("../../../shaders/linear/linear_coop_direct.wgsl");
+/// `shaders/linear/linear_coop_store.wgsl`, pasted into both coop templates.
+const COOP_STORE: &str = include_str!("../../../shaders/linear/linear_coop_store.wgsl");
+/// `shaders/linear/linear_lora.wgsl`, the LoRA epilogue.
+const LORA_EPILOGUE: &str = include_str!("../../../shaders/linear/linear_lora.wgsl");
+
+/// The files (path under `shaders/`, text) `shader`'s base product is made of, without the
+/// LoRA epilogue.
+pub(crate) fn files(shader: LinearShader) -> &'static [(&'static str, &'static str)] {
+    match shader {
+        LinearShader::Registers => &[("linear/linear.wgsl", REGISTERS)],
+        LinearShader::Tiled => &[("linear/linear_tiled.wgsl", TILED)],
+        LinearShader::Coop(CoopTiling::Narrow | CoopTiling::Wide) => &[
+            ("linear/linear_coop.wgsl", COOP),
+            ("linear/linear_coop_store.wgsl", COOP_STORE),
+        ],
+        LinearShader::Coop(CoopTiling::Direct) => &[
+            ("linear/linear_coop_direct.wgsl", COOP_DIRECT),
+            ("linear/linear_coop_store.wgsl", COOP_STORE),
+        ],
+        #[cfg(test)]
+        LinearShader::CoopEmulated(_) => &[],
+    }
+}
+
 impl KernelSource for LinearSource {
     fn source(&self) -> SourceTemplate {
         // The trailing uniform follows the buffers: four, and three more for the epilogue.
         let (lora, params_binding) = match self.lora {
-            true => (include_str!("../../../shaders/linear/linear_lora.wgsl"), 7),
+            true => (LORA_EPILOGUE, 7),
             false => (NO_LORA, 4),
         };
         let shared = |template: SourceTemplate| {
@@ -53,24 +85,20 @@ impl KernelSource for LinearSource {
         match self.shader {
             LinearShader::Registers => {
                 let [setup, load_weights, accumulate, store] = unrolled();
-                shared(SourceTemplate::new(include_str!(
-                    "../../../shaders/linear/linear.wgsl"
-                )))
-                .register("workgroup", WORKGROUP.to_string())
-                .register("rows", ROWS.to_string())
-                .register("columns", COLUMNS.to_string())
-                .register("setup", setup)
-                .register("load_weights", load_weights)
-                .register("accumulate", accumulate)
-                .register("store", store)
+                shared(SourceTemplate::new(REGISTERS))
+                    .register("workgroup", WORKGROUP.to_string())
+                    .register("rows", ROWS.to_string())
+                    .register("columns", COLUMNS.to_string())
+                    .register("setup", setup)
+                    .register("load_weights", load_weights)
+                    .register("accumulate", accumulate)
+                    .register("store", store)
             }
-            LinearShader::Tiled => shared(SourceTemplate::new(include_str!(
-                "../../../shaders/linear/linear_tiled.wgsl"
-            )))
-            .register("workgroup", TILED_WORKGROUP.to_string())
-            .register("tile_rows", TILED_ROWS.to_string())
-            .register("tile_columns4", TILED_COLUMNS4.to_string())
-            .register("depth", TILED_DEPTH.to_string()),
+            LinearShader::Tiled => shared(SourceTemplate::new(TILED))
+                .register("workgroup", TILED_WORKGROUP.to_string())
+                .register("tile_rows", TILED_ROWS.to_string())
+                .register("tile_columns4", TILED_COLUMNS4.to_string())
+                .register("depth", TILED_DEPTH.to_string()),
             LinearShader::Coop(tiling) => shared(coop_template(tiling, self.subgroup)),
             // Emulated in the complete source: every placeholder filled first.
             #[cfg(test)]
@@ -159,16 +187,11 @@ pub(crate) fn coop_template(tiling: CoopTiling, subgroup: u32) -> SourceTemplate
         .expect("LinearSource::new takes coop only at a subgroup size CoopLayout lays out");
     let [declare, multiply, store] = coop_unrolled(layout);
     let template = match tiling {
-        CoopTiling::Narrow | CoopTiling::Wide => {
-            include_str!("../../../shaders/linear/linear_coop.wgsl")
-        }
-        CoopTiling::Direct => include_str!("../../../shaders/linear/linear_coop_direct.wgsl"),
+        CoopTiling::Narrow | CoopTiling::Wide => COOP,
+        CoopTiling::Direct => COOP_DIRECT,
     };
     SourceTemplate::new(template)
-        .register(
-            "store_staged",
-            include_str!("../../../shaders/linear/linear_coop_store.wgsl"),
-        )
+        .register("store_staged", COOP_STORE)
         .register("workgroup", layout.workgroup.to_string())
         .register("subgroups", layout.subgroups.to_string())
         .register("subgroup_columns", layout.subgroup_columns.to_string())

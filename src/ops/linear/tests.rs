@@ -671,8 +671,8 @@ fn rows_beyond_one_dispatch() {
 fn auto_and_the_candidates_follow_the_device() {
     use LinearKernel::{Auto, Burn, Tiled, Timed, Wgsl};
     let cpu = device::cpu();
-    for dtype in [DType::F32, DType::F16] {
-        assert_eq!(LinearKernel::candidates(&cpu, dtype), &[Burn]);
+    for (dtype, checked) in [DType::F32, DType::F16].into_iter().zip([false, true]) {
+        assert_eq!(LinearKernel::candidates(&cpu, dtype, checked), &[Burn]);
     }
     assert_eq!(Auto.resolve(&cpu), Burn);
     assert_eq!(Wgsl.resolve(&cpu), Wgsl);
@@ -691,11 +691,65 @@ fn auto_and_the_candidates_follow_the_device() {
             (true, false) => (Timed, vec![Burn], vec![Burn]),
             (true, true) => (Timed, vec![Burn, Tiled], [vec![Burn, Tiled], coop].concat()),
         };
-        assert_eq!(LinearKernel::candidates(&gpu, DType::F32), f32s);
-        assert_eq!(LinearKernel::candidates(&gpu, DType::F16), f16s);
+        assert_eq!(LinearKernel::candidates(&gpu, DType::F32, false), f32s);
+        assert_eq!(LinearKernel::candidates(&gpu, DType::F16, false), f16s);
+        // `auto` leaves out what has not passed on hardware: on a software GPU nothing.
+        let checked = |all: Vec<LinearKernel>| -> Vec<LinearKernel> {
+            let keep = |k: &LinearKernel| !gpu.hardware_gpu || k.hardware_checked();
+            all.into_iter().filter(keep).collect()
+        };
+        assert_eq!(
+            LinearKernel::candidates(&gpu, DType::F32, true),
+            checked(f32s)
+        );
+        assert_eq!(
+            LinearKernel::candidates(&gpu, DType::F16, true),
+            checked(f16s)
+        );
         assert_eq!(Auto.resolve(&gpu), auto);
         assert_eq!(Tiled.resolve(&gpu), Tiled);
         assert_eq!(Timed.resolve(&gpu), Timed);
+    }
+}
+
+/// On a hardware GPU `auto` times only kernels checked on one (today Burn's alone: `tiled` and
+/// the coop kernels changed since the last hardware run); `timed` by name times them all. Seen
+/// through a GPU marked as hardware, since CI has none.
+#[test]
+fn auto_on_a_hardware_gpu_takes_only_hardware_checked_kernels() {
+    let Some(gpu) = device::gpu_for_tests() else {
+        return;
+    };
+    let hardware = RuntimeDevice {
+        hardware_gpu: true,
+        ..gpu
+    };
+    for dtype in [DType::F32, DType::F16] {
+        let all = LinearKernel::candidates(&hardware, dtype, false);
+        let checked: Vec<LinearKernel> = all
+            .iter()
+            .copied()
+            .filter(|k| k.hardware_checked())
+            .collect();
+        let expected = match checked[..] {
+            [only] => choice::LinearChoice::Fixed(only),
+            _ => choice::LinearChoice::Timed(LinearKernel::candidates(&hardware, dtype, true)),
+        };
+        assert_eq!(
+            choice::LinearChoice::new(LinearKernel::Auto, &hardware, dtype),
+            expected
+        );
+        assert!(
+            !LinearKernel::Tiled.hardware_checked(),
+            "update this test with CHECKED"
+        );
+        assert_eq!(checked, [LinearKernel::Burn]);
+        if all.len() > 1 {
+            assert_eq!(
+                choice::LinearChoice::new(LinearKernel::Timed, &hardware, dtype),
+                choice::LinearChoice::Timed(all)
+            );
+        }
     }
 }
 

@@ -1,34 +1,22 @@
 //! Which shrink kernel the op runs on a hardware GPU: the faster of `split` and `wide` for each
-//! shape, timed on the device ([`ShrinkKernel::Timed`], what `auto` takes there).
+//! shape ([`ShrinkKernel::Timed`]), chosen by the runtime's one tuner
+//! ([`crate::runtime::tuner`]).
 //!
 //! No one of the two is the faster on every GPU and at every size: `wide` keeps four times the
 //! loads in flight, which pays where `split` leaves cores idle (few rows on many cores) and
-//! costs where it does not. So the first time the op runs on a shape, each candidate runs once
-//! on that call's own inputs (its pipelines compiled, one value of its output read back, so that
-//! a failure shows), then [`TIMED_RUNS`] more times between device syncs; the median time is
-//! its time, and the fastest is kept for the shape.
-//!
-//! The picks are kept for the process, per device, dtype and shape: the tiles of adapter rows
-//! (what both kernels launch a workgroup for) rounded up to a power of two, the input width,
-//! the output width and each slice's width, offset and rank. Both candidates are the same two
-//! shaders at two workgroup sizes, tested against the native op and float64 alike, so unlike
-//! the linears' candidates their outputs are not checked again here. They add up a row's
-//! products in different orders, so where the pick differs (another process, another tile
-//! count) the op's last bits may too, within the same rounding bound. Where the device fails
-//! while timing, the call runs `split`, the first candidate, and nothing is kept (the next call
-//! on the shape times again); the failure surfaces where the step reads its results.
-
-use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex, PoisonError};
-use std::time::Duration;
+//! costs where it does not. The picks are kept per device, dtype and shape: the tiles of
+//! adapter rows (what both kernels launch a workgroup for) rounded up to a power of two, the
+//! input width, the output width and each slice's width, offset and rank. The two add up a
+//! row's products in different orders, so where the pick differs (another process, another
+//! tile count) the op's last bits may too, within the same rounding bound.
 
 use burn::backend::{Device as _, DeviceId};
 use burn::tensor::{DType, Tensor};
 
-use super::{LoraBatch, LoraSlice, ShrinkKernel, TILE, apply};
-use crate::runtime::timing::{TIMED_RUNS, first_run, median_time};
+use super::{LoraBatch, LoraSlice, ShrinkKernel, TILE, apply, composed};
+use crate::runtime::tuner::{Candidate, Timing, Trial, Tuner};
 
-/// What [`ShrinkKernel::Timed`] chooses from; the first runs where timing fails.
+/// What [`ShrinkKernel::Timed`] chooses from; the first runs where nothing is kept.
 pub const CANDIDATES: [ShrinkKernel; 2] = [ShrinkKernel::Split, ShrinkKernel::Wide];
 
 /// A shape picks are kept for.
@@ -45,27 +33,32 @@ struct ShapeKey {
     slices: Vec<(usize, usize, usize)>,
 }
 
-/// The kernel kept for each shape so far.
-static PICKS: LazyLock<Mutex<HashMap<ShapeKey, ShrinkKernel>>> = LazyLock::new(Mutex::default);
+impl Candidate for ShrinkKernel {
+    fn name(self) -> &'static str {
+        ShrinkKernel::name(self)
+    }
+}
 
-/// The shrink kernel for this call's shape among [`CANDIDATES`], with the candidates' times
-/// when this call made them (`None`: the pick was kept from an earlier call). `x`, an output of
-/// `out_total` columns, `slices` and `batch` are the op's checked inputs, with at least one
-/// adapter row. The candidates are timed as the unfused op, adding to an output of zeros (their
-/// time does not hang on its values), and the pick serves the fused op
+static TUNER: Tuner<ShapeKey, ShrinkKernel> = Tuner::new("LoRA shrink");
+
+/// The shrink kernel for this call's shape among [`CANDIDATES`], with the candidates' timings
+/// when this call made them (`None`: the pick was kept from an earlier call, or nothing was
+/// timed). `x`, an output of `out_total` columns, `slices` and `batch` are the op's checked
+/// inputs, with at least one adapter row. The candidates run as the unfused op, adding to an
+/// output of zeros (their time does not hang on its values), each checked against the
+/// composed op ([`composed::reference`]), and the pick serves the fused op
 /// ([`linear_lora`](super::linear_lora)) too, whose shrink is the same launch.
 pub(super) fn pick(
     x: &Tensor<2>,
     out_total: usize,
     slices: &[LoraSlice],
     batch: &LoraBatch,
-) -> (ShrinkKernel, Option<Vec<Result<Duration, String>>>) {
+) -> (ShrinkKernel, Option<Vec<Timing<ShrinkKernel>>>) {
     let [rows, in_features] = x.dims();
-    let tiles = batch.meta().tiles(TILE).count();
     let key = ShapeKey {
         device: x.device().as_dispatch().to_id(),
         dtype: x.dtype(),
-        tiles: tiles.next_power_of_two(),
+        tiles: batch.meta().tiles(TILE).count().next_power_of_two(),
         in_features,
         out_total,
         slices: slices
@@ -76,57 +69,25 @@ pub(super) fn pick(
             })
             .collect(),
     };
-    // Held while timing: two callers timing at once would slow each other's runs.
-    let mut picks = PICKS.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(&kernel) = picks.get(&key) {
-        return (kernel, None);
-    }
     let device = x.device();
     let base = Tensor::<2>::zeros([rows, out_total], &device).cast(x.dtype());
-    let times: Vec<Result<Duration, String>> = CANDIDATES
-        .iter()
-        .map(|&shrink| {
-            let run = || {
-                apply(
-                    x.clone(),
-                    base.clone(),
-                    slices,
-                    &batch.with_plan_shrink(shrink),
-                )
-            };
-            first_run(run()).and_then(|()| median_time(&device, run))
-        })
-        .collect();
-    let report: Vec<String> = CANDIDATES
-        .iter()
-        .zip(&times)
-        .map(|(kernel, time)| match time {
-            Ok(time) => format!("{} {:.3} ms", kernel.name(), time.as_secs_f64() * 1e3),
-            Err(error) => format!("{} failed: {error}", kernel.name()),
-        })
-        .collect();
-    let report = report.join(", ");
-    // A failure may reach the sync of whichever candidate ran after it: no fair comparison.
-    if times.iter().any(Result::is_err) {
-        tracing::warn!(
-            tiles,
-            in_features,
-            out_total,
-            times = report,
-            "the device failed while timing LoRA shrink kernels: split, nothing kept"
-        );
-        return (CANDIDATES[0], Some(times));
-    }
-    let fastest = CANDIDATES
-        .into_iter()
-        .zip(times.iter().flatten())
-        .min_by_key(|&(_, time)| *time)
-        .map_or(CANDIDATES[0], |(kernel, _)| kernel);
-    tracing::info!(tiles, in_features, out_total, slices = ?key.slices, dtype = ?key.dtype,
-        picked = fastest.name(), times = report, runs = TIMED_RUNS,
-        "LoRA shrink kernels timed");
-    picks.insert(key, fastest);
-    (fastest, Some(times))
+    let run = |shrink| {
+        apply(
+            x.clone(),
+            base.clone(),
+            slices,
+            &batch.with_plan_shrink(shrink),
+        )
+    };
+    let trial = Trial {
+        candidates: &CANDIDATES,
+        fallback: CANDIDATES[0],
+        calls: 1,
+        run: &run,
+    };
+    TUNER.pick(key, &device, &trial, || {
+        composed::reference(x, &base, slices, batch.meta())
+    })
 }
 
 #[cfg(test)]
@@ -135,6 +96,7 @@ mod tests {
     use crate::ops::lora::testing::Problem;
     use crate::routing::meta::KernelMeta;
     use crate::runtime::device;
+    use crate::runtime::tuner::TIMING_TRIES;
 
     /// A problem of `rows` rows in a shape no other test runs, so that this test's first call
     /// is the one that times it: two slices, three slots, a quarter of the rows without one.
@@ -151,7 +113,7 @@ mod tests {
     fn pick_on(
         rows: usize,
         gpu: &device::RuntimeDevice,
-    ) -> (ShrinkKernel, Option<Vec<Result<Duration, String>>>) {
+    ) -> (ShrinkKernel, Option<Vec<Timing<ShrinkKernel>>>) {
         let problem = problem(rows);
         let data = problem.data(gpu);
         let batch = LoraBatch::with_shrink(problem.meta(), gpu, ShrinkKernel::Timed);
@@ -166,7 +128,7 @@ mod tests {
         let (first, times) = pick_on(40, &gpu);
         let times = times.expect("the shape's first call times the candidates");
         assert_eq!(times.len(), CANDIDATES.len());
-        assert!(times.iter().all(Result::is_ok), "{times:?}");
+        assert!(times.iter().all(|t| t.outcome.is_ok()), "{times:?}");
         assert!(CANDIDATES.contains(&first));
         // 40 rows are 3 tiles, one per slot; 100 rows are 6, which rounds to 8, not 4: another
         // shape, timed anew.
@@ -175,11 +137,10 @@ mod tests {
         assert_eq!(pick_on(64, &gpu), (first, None));
     }
 
-    /// An output past the device's buffer limit: its allocation fails, so does every
-    /// candidate's first run, and the call runs `split` and keeps nothing, so that the next
-    /// call of the shape times again.
+    /// An output past the device's buffer limit: building the reference fails, so the call
+    /// runs `split` and keeps nothing, until the tuner's last try keeps `split`.
     #[test]
-    fn a_call_whose_timing_fails_runs_split_and_keeps_nothing() {
+    fn a_shape_whose_timing_keeps_failing_keeps_split() {
         let Some(gpu) = device::gpu_for_tests() else {
             return;
         };
@@ -195,11 +156,18 @@ mod tests {
         }];
         let meta = KernelMeta::from_token_slots(vec![0; rows], 1).unwrap();
         let batch = LoraBatch::with_shrink(meta, &gpu, ShrinkKernel::Timed);
-        for call in 0..2 {
-            let (kernel, times) = pick(&x, out_total, &slices, &batch);
-            assert_eq!(kernel, CANDIDATES[0], "call {call}");
-            let times = times.expect("nothing kept, so each call times");
-            assert!(times.iter().all(Result::is_err), "call {call}: {times:?}");
+        let this = |key: &ShapeKey| key.out_total == out_total;
+        for tries in 1..=TIMING_TRIES {
+            assert_eq!(
+                pick(&x, out_total, &slices, &batch),
+                (CANDIDATES[0], None),
+                "try {tries}"
+            );
+            let expected = match tries < TIMING_TRIES {
+                true => (Some((tries, 0)), None),
+                false => (None, Some(CANDIDATES[0])),
+            };
+            assert_eq!(TUNER.held(this), expected, "try {tries}");
         }
     }
 }

@@ -20,6 +20,7 @@
 //! which saves the expand's launch and its pass over the output.
 
 pub mod choice;
+pub mod composed;
 pub mod flex;
 pub mod fusion;
 #[cfg(test)]
@@ -87,7 +88,8 @@ impl ShrinkKernel {
     }
 
     /// The kernel `self` picks on `device`: never `Auto`; `split` on the CPU backend, which
-    /// has one shrink of its own.
+    /// has one shrink of its own. On a hardware GPU `auto` times `split` and `wide` once their
+    /// shader has passed its tests on one, and until then takes `registers`, which has.
     pub fn resolve(self, device: &RuntimeDevice) -> Self {
         match self {
             ShrinkKernel::Auto if device.wgpu.is_some() && !device.hardware_gpu => {
@@ -96,8 +98,21 @@ impl ShrinkKernel {
             ShrinkKernel::Auto | ShrinkKernel::Timed if device.wgpu.is_none() => {
                 ShrinkKernel::Split
             }
-            ShrinkKernel::Auto => ShrinkKernel::Timed,
+            ShrinkKernel::Auto if choice::CANDIDATES.iter().all(|k| k.hardware_checked()) => {
+                ShrinkKernel::Timed
+            }
+            ShrinkKernel::Auto => ShrinkKernel::Registers,
             chosen => chosen,
+        }
+    }
+
+    /// Whether this kernel's shrink shader passed its tests on a hardware GPU as it is now
+    /// ([`crate::ops::hardware`]); `auto` and `timed` are choices, not shaders.
+    pub fn hardware_checked(self) -> bool {
+        match self {
+            ShrinkKernel::Auto | ShrinkKernel::Timed => false,
+            // Both vec4 and scalar forms are one file each.
+            shrink => wgsl::LoraShader::shrink(shrink, 4).hardware_checked(),
         }
     }
 }
@@ -110,6 +125,9 @@ pub struct LoraPlan {
     /// The shrink shader the WGSL implementation launches (resolved: never `Auto`, and by the
     /// time the backend sees it never `Timed`).
     pub shrink: ShrinkKernel,
+    /// Whether the expand may take its `vec4` shader where the widths allow: not under `auto`
+    /// on a hardware GPU until that shader has passed its tests on one.
+    pub expand_vec4: bool,
 }
 
 /// The LoRA-apply op as a Burn backend extension.
@@ -191,6 +209,9 @@ impl LoraBatch {
             plan: LoraPlan {
                 meta: Arc::new(meta),
                 shrink: shrink.resolve(device),
+                expand_vec4: !device.hardware_gpu
+                    || shrink != ShrinkKernel::Auto
+                    || wgsl::LoraShader::ExpandVec4.hardware_checked(),
             },
         }
     }
@@ -677,7 +698,8 @@ mod tests {
             ShrinkKernel::Registers
         );
         if let Some(gpu) = device::gpu_for_tests() {
-            let expected = match gpu.hardware_gpu {
+            let split_and_wide_checked = choice::CANDIDATES.iter().all(|k| k.hardware_checked());
+            let expected = match gpu.hardware_gpu && split_and_wide_checked {
                 true => ShrinkKernel::Timed,
                 false => ShrinkKernel::Registers,
             };
@@ -691,6 +713,35 @@ mod tests {
                 assert_eq!(batch.shrink(), chosen);
             }
         }
+    }
+
+    /// On a hardware GPU `auto` takes only LoRA shaders checked on one: today the `registers`
+    /// shrink and the scalar expand (`split`, `wide` and the `vec4` expand changed since the
+    /// last hardware run); a shrink chosen by name opts in to the rest. Seen through a GPU
+    /// marked as hardware, since CI has none.
+    #[test]
+    fn auto_on_a_hardware_gpu_takes_only_hardware_checked_shaders() {
+        let Some(gpu) = device::gpu_for_tests() else {
+            return;
+        };
+        let hardware = RuntimeDevice {
+            hardware_gpu: true,
+            ..gpu.clone()
+        };
+        assert!(ShrinkKernel::Registers.hardware_checked());
+        assert!(
+            !ShrinkKernel::Split.hardware_checked(),
+            "update this test with CHECKED"
+        );
+        assert!(!wgsl::LoraShader::ExpandVec4.hardware_checked());
+        let meta = || KernelMeta::from_token_slots(vec![0, 1], 2).unwrap();
+        let auto = LoraBatch::new(meta(), &hardware);
+        assert_eq!(auto.shrink(), ShrinkKernel::Registers);
+        assert!(!auto.plan.expand_vec4);
+        let chosen = LoraBatch::with_shrink(meta(), &hardware, ShrinkKernel::Split);
+        assert_eq!(chosen.shrink(), ShrinkKernel::Split);
+        assert!(chosen.plan.expand_vec4);
+        assert!(LoraBatch::new(meta(), &gpu).plan.expand_vec4 || gpu.hardware_gpu);
     }
 
     #[test]

@@ -28,6 +28,7 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 use super::{LoraBackend, LoraPlan, ShrinkKernel, TILE, TILE_ROWS};
+use crate::ops::hardware;
 use crate::ops::linear::{self, LinearBackend, LinearShader, LoraEpilogue};
 use crate::runtime::wgsl::{self, Elem};
 
@@ -120,6 +121,12 @@ impl LoraShader {
             LoraShader::Expand => "lora_expand.wgsl",
             LoraShader::ExpandVec4 => "lora_expand_vec4.wgsl",
         }
+    }
+
+    /// Whether this shader passed its tests on a hardware GPU as it is now
+    /// ([`crate::ops::hardware`]).
+    pub fn hardware_checked(self) -> bool {
+        hardware::checked(&format!("lora/{}", self.file_name()), self.template())
     }
 
     fn template(self) -> &'static str {
@@ -370,7 +377,10 @@ impl LoraBackend for CubeBackend {
         let [_, out_features, rank] = [b.meta.shape()[0], b.meta.shape()[1], b.meta.shape()[2]];
         let n_tiles = plan.meta.tiles(TILE).count();
         let elem = Elem::of(x.dtype);
-        let expand = LoraShader::expand(rank, out_features, out_total, out_offset);
+        let expand = match plan.expand_vec4 {
+            true => LoraShader::expand(rank, out_features, out_total, out_offset),
+            false => LoraShader::Expand,
+        };
         let shrunk = shrink(&x, lora_a, &sorted_tokens, &tiles, &plan);
         let kernel = LoraKernel::new(expand, rank_tile(rank), elem, tile_threads(plan.shrink));
         for (tile_base, tiles_here) in wgsl::launches(n_tiles as u32) {

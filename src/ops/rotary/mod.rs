@@ -23,6 +23,8 @@ use burn::backend::{
 use burn::tensor::{DType, FloatDType, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::ops::hardware;
+use crate::runtime::device::RuntimeDevice;
 use crate::runtime::flex::{dense, values, values_mut};
 
 /// Rows per rayon task: tens of KiB of the 2B tower's `q`, enough to hide the task's overhead.
@@ -112,17 +114,52 @@ pub fn rotate(x: Tensor<3>, cos: &Tensor<3>, sin: &Tensor<3>) -> Tensor<3> {
     ))
 }
 
+/// How rotary runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RotaryKernel {
+    /// The backend's own ([`RopeBackend::rotate_packed`]): one pass on Flex, one WGSL kernel
+    /// (`shaders/rotary/rotary.wgsl`) on the wgpu backend.
+    #[default]
+    Fused,
+    /// Burn's ops ([`packed_composed`]): on hardware GPUs until the kernel has passed its tests
+    /// on one.
+    Composed,
+}
+
+impl RotaryKernel {
+    /// The implementation for `device`: the backend's own, but on a hardware GPU the kernel
+    /// only once it has passed its tests on one ([`crate::ops::hardware`]).
+    pub fn for_device(device: &RuntimeDevice) -> Self {
+        let shader = wgsl::SHADER;
+        let checked = hardware::checked(&format!("rotary/{}", shader.file_name), shader.template);
+        if device.hardware_gpu && !checked {
+            RotaryKernel::Composed
+        } else {
+            RotaryKernel::Fused
+        }
+    }
+}
+
 /// Part `part` of `qkv` (`[rows, parts, heads, head_dim]`) rotated in f32 whatever `qkv`'s
 /// dtype, the result `[rows, heads, head_dim]` in that dtype: under f16, transformers' Qwen2-VL
 /// rotates `q` and `k` in f32 with f32 angles and casts back (`apply_rotary_pos_emb_vision`),
 /// one rounding to f16 per value. `cos` and `sin` are `[rows, 1, head_dim]` in f32.
-pub fn rotate_packed(qkv: &Tensor<4>, part: usize, cos: &Tensor<3>, sin: &Tensor<3>) -> Tensor<3> {
-    Tensor::from_dispatch(<Dispatch as RopeBackend>::rotate_packed(
+pub fn rotate_packed(
+    qkv: &Tensor<4>,
+    part: usize,
+    cos: &Tensor<3>,
+    sin: &Tensor<3>,
+    kernel: RotaryKernel,
+) -> Tensor<3> {
+    let (qkv, cos, sin) = (
         qkv.clone().into_dispatch(),
         cos.clone().into_dispatch(),
         sin.clone().into_dispatch(),
-        part,
-    ))
+    );
+    Tensor::from_dispatch(match kernel {
+        RotaryKernel::Fused => <Dispatch as RopeBackend>::rotate_packed(qkv, cos, sin, part),
+        RotaryKernel::Composed => packed_composed::<Dispatch>(qkv, cos, sin, part),
+    })
 }
 
 impl RopeBackend for Flex {
@@ -221,8 +258,9 @@ mod tests {
         }
     }
 
-    /// [`rotate_packed`] on every device there is (Flex, and our kernel on the GPU), in f32 and
-    /// in f16 where the GPU has it: each value is the float64 rotation of the inputs, rounded
+    /// [`rotate_packed`] on every device there is (Flex, and our kernel on the GPU), and Burn's
+    /// ops ([`RotaryKernel::Composed`]) beside it, in f32 and in f16 where the GPU has it: each
+    /// value is the float64 rotation of the inputs, rounded
     /// once to the output's type, as transformers computes it (rotating in f16 rounds each
     /// product and the sum too, and misses this bound). Shapes: the 2B tower's heads with
     /// every part of the packed tensor, and heads whose halves are odd.
@@ -237,8 +275,8 @@ mod tests {
         }
         for (on, dtype) in runs {
             for (rows, parts, heads, head_dim) in [(37, 3, 16, 80), (5, 2, 3, 6)] {
-                for part in 0..parts {
-                    check_packed(&on, dtype, [rows, parts, heads, head_dim], part);
+                for (part, kernel) in (0..parts).flat_map(|p| KERNELS.map(|k| (p, k))) {
+                    check_packed(&on, dtype, [rows, parts, heads, head_dim], part, kernel);
                 }
             }
         }
@@ -252,12 +290,42 @@ mod tests {
             return;
         };
         let rows = crate::runtime::wgsl::MAX_WORKGROUPS_PER_DIM as usize + 3;
-        check_packed(&gpu, DType::F32, [rows, 2, 1, 2], 1);
+        check_packed(&gpu, DType::F32, [rows, 2, 1, 2], 1, RotaryKernel::Fused);
     }
 
-    /// [`rotate_packed`] of part `part` of a random `[rows, parts, heads, head_dim]` tensor of
-    /// `dtype` on `on`, against float64.
-    fn check_packed(on: &RuntimeDevice, dtype: DType, shape: [usize; 4], part: usize) {
+    const KERNELS: [RotaryKernel; 2] = [RotaryKernel::Fused, RotaryKernel::Composed];
+
+    /// On a hardware GPU the kernel waits for a hardware run; elsewhere the backend's own runs.
+    /// Seen through a GPU marked as hardware, too, since CI has none.
+    #[test]
+    fn the_kernel_on_hardware_gpus_once_checked_there() {
+        assert_eq!(
+            RotaryKernel::for_device(&device::cpu()),
+            RotaryKernel::Fused
+        );
+        if let Some(gpu) = device::gpu_for_tests() {
+            let hardware = RuntimeDevice {
+                hardware_gpu: true,
+                ..gpu.clone()
+            };
+            assert_eq!(RotaryKernel::for_device(&hardware), RotaryKernel::Composed);
+            let software = RuntimeDevice {
+                hardware_gpu: false,
+                ..gpu
+            };
+            assert_eq!(RotaryKernel::for_device(&software), RotaryKernel::Fused);
+        }
+    }
+
+    /// [`rotate_packed`] with `kernel` of part `part` of a random `[rows, parts, heads,
+    /// head_dim]` tensor of `dtype` on `on`, against float64.
+    fn check_packed(
+        on: &RuntimeDevice,
+        dtype: DType,
+        shape: [usize; 4],
+        part: usize,
+        kernel: RotaryKernel,
+    ) {
         let [rows, _, heads, head_dim] = shape;
         // Values up to 8 and angles of every sign, so sums cancel.
         let qkv =
@@ -270,7 +338,7 @@ mod tests {
             )
         };
         let (cos, sin) = (angle(), angle());
-        let got = rotate_packed(&qkv, part, &cos, &sin);
+        let got = rotate_packed(&qkv, part, &cos, &sin, kernel);
         assert_eq!(got.dims(), [rows, heads, head_dim]);
         assert_eq!(got.dtype(), dtype);
         let floats = |t: Tensor<3>| -> Vec<f64> {
