@@ -5,7 +5,7 @@
 //! slot's rows: a product per slot over all rows, dearer than the kernels' walk of the slot's
 //! own rows, but built once per shape, when the tuner first meets it.
 
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData, s};
 
 use super::LoraSlice;
 use crate::routing::meta::KernelMeta;
@@ -40,13 +40,13 @@ fn composed(
             let a_t = slice
                 .a
                 .clone()
-                .slice([slot..slot + 1])
+                .slice(s![slot..slot + 1])
                 .reshape([rank, in_features]);
             let a_t = a_t.cast(DType::F32).transpose();
             let b_t = slice
                 .b
                 .clone()
-                .slice([slot..slot + 1])
+                .slice(s![slot..slot + 1])
                 .reshape([out_features, rank]);
             let b_t = b_t.cast(DType::F32).transpose();
             let columns = slice.offset..slice.offset + out_features;
@@ -101,7 +101,7 @@ mod tests {
             in_features: 96,
             slices: vec![(40, 8), (24, 4)],
             slots: 3,
-            token_slots: (0..50).map(|r| (r % 4) as i32 - 1).collect(),
+            token_slots: (0..50).map(|r| r % 4 - 1).collect(),
         };
         let mut runs = vec![(device::cpu(), DType::F32, ShrinkKernel::Auto)];
         if let Some(gpu) = device::gpu_for_tests() {
@@ -128,7 +128,7 @@ mod tests {
             assert_eq!(reference.check(&output), Ok(()), "{what}");
             // Row 1 (slot 0) with its delta added twice.
             let twice = lora_apply(data.x.clone(), output.clone(), &data.slices, &batch).unwrap();
-            let wrong = output.slice_assign([1..2], twice.slice([1..2]));
+            let wrong = output.slice_assign(s![1..2, ..], twice.slice(s![1..2, ..]));
             let why = reference.check(&wrong).unwrap_err();
             assert!(why.contains("off by"), "{what}: {why}");
         }
