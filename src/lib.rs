@@ -13,13 +13,14 @@
 //! - [`models`]: checkpoints and the vision towers built from those layers.
 //! - [`adapters`]: PEFT adapters, checked against a model and installed in its slots.
 //! - [`engine`]: requests in, embeddings out, one step at a time.
-//! - [`bench`], [`fuzzing`]: tooling the `mmlora` command and the fuzz targets share.
+//! - [`bench`](mod@bench): the measurements of `mmlora bench`; `fuzzing` (feature `testkit`): the fuzz
+//!   targets' entry points, which the tests replay.
 
 pub mod adapters;
 pub mod bench;
 pub mod engine;
 pub mod files;
-#[doc(hidden)]
+#[cfg(feature = "testkit")]
 pub mod fuzzing;
 pub mod models;
 pub mod nn;

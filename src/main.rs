@@ -6,7 +6,11 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use mmlora::runtime::progress;
+use tracing::Level;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::prelude::*;
 
 use cli::bench::BenchArgs;
 use cli::encode::EncodeArgs;
@@ -65,14 +69,22 @@ fn main() -> ExitCode {
         // SAFETY: no other thread exists yet.
         unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
-        )
+    let log_filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("warn"))
+        // Progress shows as bars, not log lines.
+        .add_directive(
+            format!("{}=off", progress::TARGET)
+                .parse()
+                .expect("a valid directive"),
+        );
+    let log = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         // Plain text where the log goes to a file or a pipe.
         .with_ansi(std::io::stderr().is_terminal())
-        .init();
+        .with_filter(log_filter);
+    let bars = cli::progress::Bars::stderr()
+        .with_filter(Targets::new().with_target(progress::TARGET, Level::INFO));
+    tracing_subscriber::registry().with(log).with(bars).init();
     let result = match cli.command {
         Command::Encode(args) => cli::encode::run(args),
         Command::Preprocess(args) => cli::preprocess::run(args),

@@ -8,6 +8,7 @@ pub mod encode;
 pub mod inspect;
 mod output;
 pub mod preprocess;
+pub mod progress;
 
 use std::path::PathBuf;
 

@@ -23,7 +23,6 @@ use std::time::{Duration, Instant};
 use burn::tensor::wgpu::wgpu;
 use burn::tensor::{Tensor, TensorData};
 use image::RgbImage;
-use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::adapters::registry::{AdapterKey, AdapterRegistry};
 use crate::adapters::{AdapterError, PeftAdapter, install};
@@ -41,6 +40,7 @@ use crate::routing::mapping::{
 };
 use crate::routing::meta::{KernelMeta, MetaError, SlotTable};
 use crate::runtime::device::{Precision, RuntimeDevice};
+use crate::runtime::progress;
 use plan::{PlanItem, plan_steps};
 
 /// The most GPU slots an engine takes (`max_loras`).
@@ -549,23 +549,16 @@ impl Engine {
             .collect();
         let steps = plan_steps(&items, self.options.max_loras, step_rows);
 
-        let progress = if steps.len() > 1 {
-            ProgressBar::new(steps.len() as u64)
-        } else {
-            ProgressBar::hidden()
-        };
-        if let Ok(style) = ProgressStyle::with_template("encoding [{bar:30}] {pos}/{len} steps") {
-            progress.set_style(style);
-        }
         let mut results: Vec<Option<Encoded>> = vec![None; requests.len()];
         for (step, members) in steps.iter().enumerate() {
             let outputs = self.run_step(step, members, requests, patches, with_tower)?;
             for (&i, output) in members.iter().zip(outputs) {
                 results[i] = Some(output);
             }
-            progress.inc(1);
+            if steps.len() > 1 {
+                progress::report("encoding steps", step as u64 + 1, steps.len() as u64);
+            }
         }
-        progress.finish_and_clear();
         Ok(results
             .into_iter()
             .map(|r| r.expect("every request is planned in exactly one step"))

@@ -10,10 +10,11 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{Device, Tensor, TensorData};
-use indicatif::{ProgressBar, ProgressStyle};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
+
+use crate::runtime::progress;
 
 /// Errors reading a checkpoint.
 #[derive(Debug, thiserror::Error)]
@@ -84,8 +85,8 @@ pub struct Checkpoint {
     locations: HashMap<String, PathBuf>,
     /// Files mapped so far.
     maps: HashMap<PathBuf, Mmap>,
-    /// Tensors read, shown on a terminal (hidden otherwise).
-    progress: ProgressBar,
+    /// Tensors read so far, of how many are expected ([`Self::report_progress`]; 0: none).
+    reads: (u64, u64),
 }
 
 impl Checkpoint {
@@ -98,7 +99,7 @@ impl Checkpoint {
             dir: dir.to_owned(),
             locations: HashMap::new(),
             maps: HashMap::new(),
-            progress: ProgressBar::hidden(),
+            reads: (0, 0),
         };
         if single.exists() {
             let keys: Vec<String> = checkpoint
@@ -132,13 +133,9 @@ impl Checkpoint {
         Ok(checkpoint)
     }
 
-    /// Shows a progress bar on stderr for the next `tensors` reads (only on a terminal).
-    pub fn show_progress(&mut self, tensors: u64) {
-        let bar = ProgressBar::new(tensors).with_message(format!("loading {}", self.dir.display()));
-        if let Ok(style) = ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} tensors") {
-            bar.set_style(style);
-        }
-        self.progress = bar;
+    /// Reports the progress of the next `tensors` reads ([`progress`]).
+    pub fn report_progress(&mut self, tensors: u64) {
+        self.reads = (0, tensors);
     }
 
     /// Whether any key of the checkpoint starts with `prefix`.
@@ -212,9 +209,10 @@ impl Checkpoint {
             path: path.clone(),
             reason,
         })?;
-        self.progress.inc(1);
-        if self.progress.position() == self.progress.length().unwrap_or(0) {
-            self.progress.finish_and_clear();
+        let (read, expected) = &mut self.reads;
+        if *read < *expected {
+            *read += 1;
+            progress::report("loading tensors", *read, *expected);
         }
         Ok(Tensor::from_data(TensorData::new(values, shape), device))
     }

@@ -266,7 +266,7 @@ pub fn describe(info: &wgpu::AdapterInfo) -> String {
 
 /// The GPU for tests: `None` (the test returns early, saying so) when wgpu finds no adapter,
 /// except under `CI=true`, where a missing adapter fails the test.
-#[doc(hidden)]
+#[cfg(any(test, feature = "testkit"))]
 pub fn gpu_for_tests() -> Option<RuntimeDevice> {
     match gpu() {
         Ok(gpu) => Some(gpu),
@@ -283,7 +283,7 @@ pub fn gpu_for_tests() -> Option<RuntimeDevice> {
 /// Whether the f16 tests run on `gpu`: where its adapter has `SHADER_F16`. Without it they
 /// are skipped, saying so, except under `CI=true`, where it fails the test (CI's lavapipe has
 /// `SHADER_F16`, so losing it must not silently drop every f16 check).
-#[doc(hidden)]
+#[cfg(any(test, feature = "testkit"))]
 pub fn f16_for_tests(gpu: &RuntimeDevice) -> bool {
     if gpu.supports(Precision::F16) {
         return true;
@@ -297,6 +297,7 @@ pub fn f16_for_tests(gpu: &RuntimeDevice) -> bool {
     false
 }
 
+#[cfg(any(test, feature = "testkit"))]
 fn under_ci() -> bool {
     std::env::var("CI").as_deref() == Ok("true")
 }

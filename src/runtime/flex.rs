@@ -8,7 +8,7 @@ use gemm::Parallelism;
 const PARALLEL_MACS: usize = 192 * 192 * 192;
 
 /// How a `gemm` call of `m × n × k` that may use every thread should be split: over the rayon
-/// threads from [`PARALLEL_MACS`] multiply-adds, not at all below.
+/// threads from `PARALLEL_MACS` multiply-adds, not at all below.
 pub fn gemm_parallelism(m: usize, n: usize, k: usize) -> Parallelism {
     if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_MACS {
         Parallelism::Rayon(0)

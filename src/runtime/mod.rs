@@ -4,6 +4,7 @@
 pub mod device;
 pub mod exp;
 pub mod flex;
+pub mod progress;
 pub mod stages;
 pub mod timing;
 pub mod tuner;

@@ -158,7 +158,7 @@ impl Qwen2VlVision {
             .find(|prefix| ckpt.has_prefix(&format!("{prefix}blocks.")))
             .unwrap_or("visual.");
         // Per block: 2 norms and 4 linears (weight + bias each); merger: 1 norm, 2 linears.
-        ckpt.show_progress((config.depth * 12 + 7) as u64);
+        ckpt.report_progress((config.depth * 12 + 7) as u64);
         Self::build(
             config,
             device,

@@ -25,7 +25,7 @@
 //! All but `linear.wgsl` also come with a LoRA epilogue (`shaders/linear/linear_lora.wgsl`,
 //! pasted in where they say `lora`): they add each row's adapter delta to the row's sums as they
 //! store it, the LoRA op fused into the product (the LoRA op's `linear_lora` launches them
-//! through [`launch_linear`] after its shrink).
+//! through `launch_linear` after its shrink).
 //!
 //! On Flex (the CPU backend) the product with a bias is one `gemm` call that adds onto rows of
 //! the bias, whichever kernel is asked for.

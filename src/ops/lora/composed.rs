@@ -65,7 +65,7 @@ fn composed(
 }
 
 /// The op's reference on these inputs, for a kernel whose output is in `x`'s dtype: the
-/// composed op in f32 ([`composed`]), and per element twice a correct kernel's worst error,
+/// composed op in f32 (`composed`), and per element twice a correct kernel's worst error,
 /// `γ(r + 1)·|base| + (γ(r + 1)·(1 + γ(in)) + γ(in))·(|x|·|Aᵀ|)·|Bᵀ|`: the shrink's `in`-term
 /// sums in f32 off by at most `γ(in)` of their magnitudes, then the expand's sum of `r` terms
 /// and the base ([`tuner::gamma`]). `None` where the batch cannot decide
