@@ -90,11 +90,9 @@ mod tests {
     use crate::ops::lora::LoraBatch;
     use crate::ops::norm::NormKernel;
     use crate::ops::norm::tests::check;
-    use crate::ops::testing::shader_files;
+    use crate::ops::testing::check_elem_shader;
     use crate::routing::meta::{KernelMeta, NO_SLOT};
     use crate::runtime::device;
-    use crate::runtime::wgsl::validate_and_translate;
-    use burn::backend::wgpu::KernelSource;
     use burn::tensor::{Distribution, Tensor};
 
     /// Against float64 in f32 and, where the device has it, f16: the 2B tower's width, a
@@ -166,10 +164,6 @@ mod tests {
     /// wgpu has, and it is the only file in `shaders/norm/`.
     #[test]
     fn shader_validates_and_translates_to_every_backend() {
-        assert_eq!(shader_files("norm"), [SHADER.file_name]);
-        for elem in Elem::ALL {
-            let source = SHADER.kernel(elem).source().complete();
-            validate_and_translate(&source, &format!("{} {elem:?}", SHADER.file_name));
-        }
+        check_elem_shader("norm", SHADER);
     }
 }

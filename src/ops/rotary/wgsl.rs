@@ -94,18 +94,12 @@ impl RopeBackend for CubeBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ops::testing::shader_files;
-    use crate::runtime::wgsl::validate_and_translate;
-    use burn::backend::wgpu::KernelSource;
+    use crate::ops::testing::check_elem_shader;
 
     /// The shader in both element types is valid WGSL that naga translates for every backend
     /// wgpu has, and it is the only file in `shaders/rotary/`.
     #[test]
     fn shader_validates_and_translates_to_every_backend() {
-        assert_eq!(shader_files("rotary"), [SHADER.file_name]);
-        for elem in Elem::ALL {
-            let source = SHADER.kernel(elem).source().complete();
-            validate_and_translate(&source, &format!("{} {elem:?}", SHADER.file_name));
-        }
+        check_elem_shader("rotary", SHADER);
     }
 }
