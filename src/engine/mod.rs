@@ -565,7 +565,8 @@ impl Engine {
             .collect())
     }
 
-    /// One scheduler step over `requests[members]`.
+    /// One scheduler step over `requests[members]`: the step's mappings, the forward pass on its
+    /// adapters' slots, the outputs split per request.
     fn run_step(
         &mut self,
         step: usize,
@@ -574,14 +575,47 @@ impl Engine {
         patches: &[Patches],
         with_tower: bool,
     ) -> Result<Vec<Encoded>, EngineError> {
+        let activation = self.schedule(members, requests, patches)?;
+        let started = Instant::now();
+        let grids: Vec<[usize; 3]> = members.iter().map(|&i| patches[i].grid_thw).collect();
+        let pixels: Vec<f32> = members
+            .iter()
+            .flat_map(|&i| patches[i].pixel_values.iter().copied())
+            .collect();
+        let rows = pixels.len() / self.model.config().patch_len();
+        let (embeds, tower) = self.run_keeping_slots(&activation, pixels, &grids, with_tower)?;
+        let step_time = started.elapsed();
+        tracing::debug!(
+            step,
+            requests = members.len(),
+            adapters = activation.adapters.len(),
+            rows,
+            ms = step_time.as_secs_f64() * 1e3,
+            "step encoded"
+        );
+        let outputs = StepOutputs {
+            step,
+            step_time,
+            embeds,
+            tower,
+        };
+        self.split(outputs, members, requests, patches)
+    }
+
+    /// The step as vLLM's scheduler hands it to the model runner (one image item per request),
+    /// through the mapping builder: the step's adapters and each row's adapter id.
+    fn schedule(
+        &mut self,
+        members: &[usize],
+        requests: &[Request],
+        patches: &[Patches],
+    ) -> Result<MmLoraActivation, EngineError> {
         let keys = self.step_adapters(
             members
                 .iter()
                 .filter_map(|&i| requests[i].adapter.as_deref()),
         )?;
         let merge = self.model.config().spatial_merge_size;
-
-        // The step as vLLM's scheduler hands it to the model runner: one image item per request.
         let mut cache = EncoderCache::default();
         let mut state = LoraState::new(members.len());
         let mut batch_index = HashMap::new();
@@ -618,23 +652,25 @@ impl Engine {
             &batch_index,
             &state,
             &scheduled,
-        )?
-        .expect("a step schedules at least one image");
-        let started = Instant::now();
-        let grids: Vec<[usize; 3]> = members.iter().map(|&i| patches[i].grid_thw).collect();
-        let pixels: Vec<f32> = members
-            .iter()
-            .flat_map(|&i| patches[i].pixel_values.iter().copied())
-            .collect();
-        let rows = pixels.len() / self.model.config().patch_len();
-        // A step that fails on the device gives its slots back as they were, so that the next
-        // call does not stack this step's adapters again (and fail the same way).
+        )?;
+        Ok(activation.expect("a step schedules at least one image"))
+    }
+
+    /// [`Self::run_on_slots`], except that a step that fails gives its slots back as they were,
+    /// so that the next call does not stack this step's adapters again (and fail the same way).
+    fn run_keeping_slots(
+        &mut self,
+        activation: &MmLoraActivation,
+        pixels: Vec<f32>,
+        grids: &[[usize; 3]],
+        with_tower: bool,
+    ) -> Result<(HostTensor, Option<HostTensor>), EngineError> {
         let before = (
             self.slots.clone(),
             self.slot_used.clone(),
             self.stacked.clone(),
         );
-        let ran = self.run_on_slots(&activation, pixels, &grids, with_tower);
+        let ran = self.run_on_slots(activation, pixels, grids, with_tower);
         if ran.is_err() {
             let (slots, slot_used, stacked) = before;
             if self.stacked != stacked {
@@ -642,18 +678,25 @@ impl Engine {
             }
             (self.slots, self.slot_used) = (slots, slot_used);
         }
-        let (embeds, tower) = ran?;
-        let step_time = started.elapsed();
-        tracing::debug!(
-            step,
-            requests = members.len(),
-            adapters = activation.adapters.len(),
-            rows,
-            ms = step_time.as_secs_f64() * 1e3,
-            "step encoded"
-        );
+        ran
+    }
 
-        // Split the rows per request; an output that is not finite fails the step.
+    /// The step's rows split per request; an output that is not finite fails the step, naming
+    /// the request.
+    fn split(
+        &self,
+        outputs: StepOutputs,
+        members: &[usize],
+        requests: &[Request],
+        patches: &[Patches],
+    ) -> Result<Vec<Encoded>, EngineError> {
+        let merge = self.model.config().spatial_merge_size;
+        let StepOutputs {
+            step,
+            step_time,
+            embeds,
+            tower,
+        } = outputs;
         let mut start = 0;
         members
             .iter()
@@ -975,6 +1018,14 @@ fn read_back(tensor: Tensor<2>) -> Result<HostTensor, EngineError> {
         .try_into_vec_as::<f32>()
         .map_err(|e| EngineError::Execution(e.to_string()))?;
     Ok(HostTensor { shape, values })
+}
+
+/// What one step's forward pass gave, before it is split per request.
+struct StepOutputs {
+    step: usize,
+    step_time: Duration,
+    embeds: HostTensor,
+    tower: Option<HostTensor>,
 }
 
 /// Runs device work; a fault inside Burn or the driver may surface as a panic, and becomes an
