@@ -12,6 +12,8 @@
 //! What is hashed is the shader file; the Rust side that fills in its template is not, so a
 //! change there should be checked on hardware too before it ships.
 
+use crate::runtime::wgsl::ElemShader;
+
 /// A run of the hardware script whose tests passed.
 #[derive(Debug)]
 pub struct HardwareRun {
@@ -99,6 +101,11 @@ pub const fn fnv1a(text: &str) -> u64 {
 pub fn checked(shader: &str, source: &str) -> bool {
     let hash = fnv1a(source);
     CHECKED.iter().any(|c| c.shader == shader && c.hash == hash)
+}
+
+/// [`checked`] for the one-file kernel `shader` of `op` (`shaders/<op>/<file>`).
+pub(crate) fn elem_shader_checked(op: &str, shader: ElemShader) -> bool {
+    checked(&format!("{op}/{}", shader.file_name), shader.template)
 }
 
 #[cfg(test)]

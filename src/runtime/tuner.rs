@@ -31,8 +31,7 @@ use std::time::Duration;
 
 use burn::tensor::{DType, Device, Tensor};
 
-pub use super::timing::TIMED_RUNS;
-use super::timing::{median_time_per_call, read};
+use super::timing::{TIMED_RUNS, median_time_per_call, read};
 
 /// Failed timings of one shape after which it keeps the fallback: a device that cannot hold
 /// the reference beside a step fails each try, and would pay for one each call.
@@ -93,6 +92,15 @@ pub fn gamma(n: usize) -> f32 {
     (nu / (1.0 - nu)) as f32
 }
 
+/// The unit roundoff of `dtype`: how far rounding a value to it may move it, relatively (f16's
+/// `2⁻¹¹`; f32's `2⁻²⁴` for the rest, which the tuned ops compute in).
+pub fn unit_roundoff(dtype: DType) -> f32 {
+    match dtype {
+        DType::F16 => f32::powi(2.0, -11),
+        _ => f32::EPSILON / 2.0,
+    }
+}
+
 impl Reference {
     /// The reference `output` with `bound`, for an op whose output is in `dtype`; `None` where
     /// the bound is not finite (an infinite or NaN input), or where in f16 a correct kernel's
@@ -130,12 +138,13 @@ impl Reference {
     /// in f32 its smallest normal, `2⁻¹²⁶`, which holds a flushed subnormal too): at most 1 for
     /// a correct kernel. NaN (not `≤ 1`) where `output` has a NaN.
     pub fn disagreement(&self, output: &Tensor<2>) -> Result<f32, String> {
-        let (unit_roundoff, least) = match output.dtype() {
-            DType::F16 => (f32::powi(2.0, -11), f32::powi(2.0, -25)),
-            _ => (f32::EPSILON / 2.0, f32::MIN_POSITIVE),
+        let least = match output.dtype() {
+            DType::F16 => f32::powi(2.0, -25),
+            _ => f32::MIN_POSITIVE,
         };
+        let roundoff = unit_roundoff(output.dtype());
         let output = output.clone().cast(DType::F32);
-        let rounding = (output.clone().abs() + self.output.clone().abs()) * unit_roundoff;
+        let rounding = (output.clone().abs() + self.output.clone().abs()) * roundoff;
         let allowed = self.bound.clone() + rounding + least;
         let ratio = (output - self.output.clone()).abs() / allowed;
         // Read apart from the largest, which a reduction may take skipping NaNs.

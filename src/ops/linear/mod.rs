@@ -30,13 +30,13 @@
 //! On Flex (the CPU backend) the product with a bias is one `gemm` call that adds onto rows of
 //! the bias, whichever kernel is asked for.
 //!
-//! The files: [`shader`] (which kernels exist and where they run), `source` (their WGSL, filled
+//! The files: `shader` (which kernels exist and where they run), `source` (their WGSL, filled
 //! in), `flex` and `wgsl` (the extension on each backend), [`choice`] (the per-shape timed
 //! choice).
 
 pub mod choice;
 mod flex;
-pub mod shader;
+mod shader;
 mod source;
 #[cfg(test)]
 mod tests;

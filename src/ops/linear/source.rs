@@ -64,7 +64,7 @@ pub(crate) fn files(shader: LinearShader) -> &'static [(&'static str, &'static s
             ("linear/linear_coop_store.wgsl", COOP_STORE),
         ],
         #[cfg(test)]
-        LinearShader::CoopEmulated(_) => &[],
+        LinearShader::CoopEmulated(tiling) => files(LinearShader::Coop(tiling)),
     }
 }
 

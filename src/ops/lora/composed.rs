@@ -22,6 +22,7 @@ fn composed(
     let device = x.device();
     let [rows, _] = x.dims();
     let x = x.clone().cast(DType::F32);
+    let x_magnitudes = x.clone().abs();
     let base = base.clone().cast(DType::F32);
     let mut output = base.clone();
     let mut magnitudes = base.zeros_like();
@@ -51,7 +52,7 @@ fn composed(
             let b_t = b_t.cast(DType::F32).transpose();
             let columns = slice.offset..slice.offset + out_features;
             let delta = x.clone().matmul(a_t.clone()).matmul(b_t.clone()) * mask.clone();
-            let reach = x.clone().abs().matmul(a_t.abs()).matmul(b_t.abs()) * mask.clone();
+            let reach = x_magnitudes.clone().matmul(a_t.abs()).matmul(b_t.abs()) * mask.clone();
             let at = [0..rows, columns];
             output = output
                 .clone()

@@ -18,7 +18,7 @@ use burn::tensor::{DType, Tensor};
 use super::{FusedLinear, composed};
 use crate::ops::linear::LinearShader;
 use crate::ops::linear::choice;
-use crate::runtime::tuner::{Candidate, Reference, Timing, Trial, Tuner};
+use crate::runtime::tuner::{self, Candidate, Reference, Timing, Trial, Tuner};
 
 /// A shape choices are kept for.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -105,11 +105,8 @@ fn reference(x: &Tensor<2>, fused: &FusedLinear<'_>) -> Result<Option<Reference>
     let Some(op) = composed::reference(x, &product.output, slices, fused.batch.meta())? else {
         return Ok(None);
     };
-    let stored = match x.dtype() {
-        DType::F16 => f32::powi(2.0, -11),
-        _ => f32::EPSILON / 2.0,
-    };
-    let bound = product.bound + op.bound + product.output.abs() * stored;
+    let stored = product.output.abs() * tuner::unit_roundoff(x.dtype());
+    let bound = product.bound + op.bound + stored;
     Reference::new(op.output, bound, x.dtype())
 }
 

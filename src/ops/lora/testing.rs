@@ -4,7 +4,7 @@ use burn::tensor::{DType, Distribution, Tensor};
 use proptest::prelude::*;
 
 use super::{LoraBatch, LoraSlice, ShrinkKernel, lora_apply};
-pub use crate::ops::testing::to_f64;
+use crate::ops::testing::to_f64;
 use crate::routing::meta::{KernelMeta, NO_SLOT};
 use crate::runtime::device::RuntimeDevice;
 

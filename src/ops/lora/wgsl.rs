@@ -487,12 +487,13 @@ fn shrink(
 mod tests {
     use super::super::testing::{
         Problem, Reference, U, U16, assert_matches, check_f16, fused_layer, problems, reference,
-        shrink_kernels, to_f64,
+        shrink_kernels,
     };
     use super::super::{LoraBatch, LoraOpError, fuse, linear_lora, lora_apply};
     use super::*;
     use crate::ops::linear::{self, CoopTiling, LinearShader};
     use crate::ops::testing::shader_files;
+    use crate::ops::testing::to_f64;
     use crate::routing::meta::{KernelMeta, NO_SLOT};
     use crate::runtime::device;
     use crate::runtime::wgsl::validate_and_translate;

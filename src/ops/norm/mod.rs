@@ -33,18 +33,12 @@ impl NormKernel {
     /// The implementation for `device`: the kernel on a hardware GPU once it has passed its
     /// tests on one ([`crate::ops::hardware`]), else Burn's ops.
     pub fn for_device(device: &RuntimeDevice) -> Self {
-        if device.hardware_gpu && kernel_hardware_checked() {
+        if device.hardware_gpu && hardware::elem_shader_checked("norm", wgsl::SHADER) {
             NormKernel::Fused
         } else {
             NormKernel::Composed
         }
     }
-}
-
-/// Whether `shaders/norm/layer_norm.wgsl` passed its tests on a hardware GPU as it is now.
-fn kernel_hardware_checked() -> bool {
-    let shader = wgsl::SHADER;
-    hardware::checked(&format!("norm/{}", shader.file_name), shader.template)
 }
 
 /// Layer norms with a faster implementation than their composition on some backend.
@@ -217,7 +211,10 @@ pub(crate) mod tests {
                 hardware_gpu: true,
                 ..gpu.clone()
             };
-            assert!(!kernel_hardware_checked(), "update this test with CHECKED");
+            assert!(
+                !hardware::elem_shader_checked("norm", wgsl::SHADER),
+                "update this test with CHECKED"
+            );
             assert_eq!(NormKernel::for_device(&hardware), NormKernel::Composed);
             assert_eq!(NormKernel::for_device(&gpu), NormKernel::Composed);
         }

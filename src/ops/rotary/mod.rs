@@ -130,9 +130,7 @@ impl RotaryKernel {
     /// The implementation for `device`: the backend's own, but on a hardware GPU the kernel
     /// only once it has passed its tests on one ([`crate::ops::hardware`]).
     pub fn for_device(device: &RuntimeDevice) -> Self {
-        let shader = wgsl::SHADER;
-        let checked = hardware::checked(&format!("rotary/{}", shader.file_name), shader.template);
-        if device.hardware_gpu && !checked {
+        if device.hardware_gpu && !hardware::elem_shader_checked("rotary", wgsl::SHADER) {
             RotaryKernel::Composed
         } else {
             RotaryKernel::Fused
