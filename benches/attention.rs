@@ -50,7 +50,7 @@ fn attention(c: &mut Criterion) {
             v.clone().cast(dtype),
         );
         for kernel in AttentionKernel::BOTH {
-            let id = format!("{}_{}", kernel.name(), precision.name());
+            let id = format!("{kernel}_{precision}");
             group.bench_function(id, |bench| {
                 bench.iter_custom(|n| {
                     timed(&gpu, n, || {

@@ -70,7 +70,7 @@ fn linears(c: &mut Criterion) {
                 weight_t.clone().cast(dtype),
                 bias.clone().cast(dtype),
             );
-            let id = format!("{}_{}", kernel.name(), precision.name());
+            let id = format!("{kernel}_{precision}");
             group.bench_function(id, |bench| {
                 bench.iter_custom(|n| {
                     timed(&gpu, n, || {

@@ -271,6 +271,70 @@ fn refused_under_backend(args: &[&str], backend: &str) {
     assert!(text(&out.stderr).contains(backend), "{}", text(&out.stderr));
 }
 
+/// Kernels are pinned by one override, `MMLORA_KERNELS` or `bench --kernels`, said on stderr;
+/// a pin that cannot be read or run is refused by name before any work, and `encode` has no
+/// kernel flags.
+#[test]
+fn kernel_pins_are_one_override_refused_by_name() {
+    let encode = |pins: &str, args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_mmlora"))
+            .args(["encode", "--device", "cpu"])
+            .args(args)
+            .env("MMLORA_KERNELS", pins)
+            .output()
+            .unwrap()
+    };
+    let out = encode("attention=fused", &[]);
+    assert_success(&out);
+    assert!(
+        text(&out.stderr).contains("kernels: attention=fused (MMLORA_KERNELS)"),
+        "{}",
+        text(&out.stderr)
+    );
+    for (pins, says) in [
+        (
+            "shrink=fast",
+            "MMLORA_KERNELS: kernel pin shrink=fast: no such kernel",
+        ),
+        ("norm=fused", "no such op"),
+        ("linear=tiled", "the tiled linear kernel needs a GPU device"),
+    ] {
+        let out = encode(pins, &[]);
+        assert_eq!(out.status.code(), Some(1), "{pins}");
+        assert!(
+            text(&out.stderr).contains(says),
+            "{pins}: {}",
+            text(&out.stderr)
+        );
+        assert!(text(&out.stdout).is_empty(), "{pins} encoded");
+    }
+    let out = encode("", &["--linear-kernel", "tiled"]);
+    assert_eq!(out.status.code(), Some(2), "encode takes no kernel flags");
+
+    let bench = [
+        "bench", "--device", "cpu", "--preset", "tiny", "--images", "1",
+    ];
+    let out = mmlora(&[&bench[..], &["--adapters", "1", "--kernels", "linear=wgsl"]].concat());
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("kernels: linear=wgsl"), "{stderr}");
+    assert!(
+        stderr.contains("the wgsl linear kernel needs a GPU device"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("preparing"),
+        "refused after work began: {stderr}"
+    );
+    let out = mmlora(&[&bench[..], &["--kernels", "linear"]].concat());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("is not OP=KERNEL"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
 #[test]
 fn adapters_inspect_reports_the_adapter_and_its_compatibility() {
     let stdout = assert_success(&mmlora(&[

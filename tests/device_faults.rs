@@ -6,6 +6,7 @@ mod common;
 
 use common::{errors, fixture_dir};
 use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request, SharedEngine};
+use mmlora::ops::kernels::KernelPins;
 use mmlora::ops::linear::LinearKernel;
 use mmlora::ops::lora::ShrinkKernel;
 use mmlora::preprocess::Patches;
@@ -115,11 +116,12 @@ fn a_shared_engine_that_lost_its_device_is_rebuilt_in_place() {
 /// read.
 #[test]
 fn a_step_over_the_device_buffer_limit_fails_alone() {
-    let kernels = [
-        (LinearKernel::Auto, ShrinkKernel::Auto),
-        (LinearKernel::Timed, ShrinkKernel::Timed),
-    ];
-    for (linear_kernel, lora_shrink) in kernels {
+    let pinned = KernelPins {
+        linear: LinearKernel::Timed,
+        shrink: ShrinkKernel::Timed,
+        ..KernelPins::default()
+    };
+    for kernels in [KernelPins::default(), pinned] {
         let Some(gpu) = new_gpu() else {
             return;
         };
@@ -131,8 +133,7 @@ fn a_step_over_the_device_buffer_limit_fails_alone() {
         };
         let options = EngineOptions {
             max_step_rows: usize::MAX,
-            linear_kernel,
-            lora_shrink,
+            kernels,
             ..EngineOptions::default()
         };
         let mut engine = engine(blind, options);
@@ -159,12 +160,11 @@ fn a_step_over_the_device_buffer_limit_fails_alone() {
             })
             .collect();
         let error = engine.encode(&requests, false).unwrap_err();
-        let kernel = linear_kernel.name();
         assert!(
             matches!(error, EngineError::Execution(_)),
-            "{kernel}: {error}"
+            "kernels {kernels}: {error}"
         );
-        assert_eq!(engine.slotted(), slotted, "{kernel} linears");
-        assert_eq!(embeds(&mut engine), before, "{kernel} linears");
+        assert_eq!(engine.slotted(), slotted, "kernels {kernels}");
+        assert_eq!(embeds(&mut engine), before, "kernels {kernels}");
     }
 }

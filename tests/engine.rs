@@ -11,9 +11,8 @@ use common::{Expected, errors, fixture_dir, fixture_requests};
 use mmlora::engine::{
     Encoded, Engine, EngineError, EngineOptions, ImageSource, Request, SharedEngine,
 };
-use mmlora::ops::attention::AttentionKernel;
+use mmlora::ops::kernels::{KernelError, KernelPins};
 use mmlora::ops::linear::LinearKernel;
-use mmlora::ops::lora::ShrinkKernel;
 use mmlora::preprocess::{Patches, PreprocessConfig};
 use mmlora::runtime::device::{self, Precision, RuntimeDevice};
 
@@ -114,55 +113,23 @@ fn a_mixed_batch_from_image_files_matches_peft_on_wgpu() {
     let Some(gpu) = device::gpu_for_tests() else {
         return;
     };
-    for (linear_kernel, attention_kernel, lora_shrink) in [
-        (
-            LinearKernel::Auto,
-            AttentionKernel::Auto,
-            ShrinkKernel::Auto,
-        ),
-        (
-            LinearKernel::Timed,
-            AttentionKernel::Auto,
-            ShrinkKernel::Auto,
-        ),
-        (
-            LinearKernel::Auto,
-            AttentionKernel::Fused,
-            ShrinkKernel::Auto,
-        ),
-        (
-            LinearKernel::Auto,
-            AttentionKernel::Burn,
-            ShrinkKernel::Auto,
-        ),
-        (
-            LinearKernel::Auto,
-            AttentionKernel::Auto,
-            ShrinkKernel::Wide,
-        ),
-        (
-            LinearKernel::Tiled,
-            AttentionKernel::Auto,
-            ShrinkKernel::Split,
-        ),
+    for pins in [
+        "",
+        "linear=timed",
+        "attention=fused",
+        "attention=burn",
+        "shrink=wide",
+        "linear=tiled,shrink=split",
     ] {
         let options = EngineOptions {
-            linear_kernel,
-            attention_kernel,
-            lora_shrink,
+            kernels: pins.parse().unwrap(),
             ..EngineOptions::default()
         };
         let results = engine(&gpu, options)
             .encode(&fixture_requests(), true)
             .unwrap();
         // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4.
-        let on = format!(
-            "{}, {} linears, {} attention, {} shrink",
-            gpu.description,
-            linear_kernel.name(),
-            attention_kernel.name(),
-            lora_shrink.name()
-        );
+        let on = format!("{}, kernels {}", gpu.description, options.kernels);
         assert_matches_fixtures(&fixture_requests(), &results, 1e-4, &on);
     }
 }
@@ -205,24 +172,15 @@ fn a_mixed_batch_matches_peft_on_every_other_graphics_api() {
     }
     for api in others {
         let other = device::gpu_on(api).unwrap_or_else(|e| panic!("{api:?}: {e}"));
-        for (linear_kernel, lora_shrink) in [
-            (LinearKernel::Auto, ShrinkKernel::Auto),
-            (LinearKernel::Tiled, ShrinkKernel::Split),
-        ] {
+        for pins in ["", "linear=tiled,shrink=split"] {
             let options = EngineOptions {
-                linear_kernel,
-                lora_shrink,
+                kernels: pins.parse().unwrap(),
                 ..EngineOptions::default()
             };
             let results = engine(&other, options)
                 .encode(&fixture_requests(), true)
                 .unwrap();
-            let on = format!(
-                "{}, {} linears, {} shrink",
-                other.description,
-                linear_kernel.name(),
-                lora_shrink.name()
-            );
+            let on = format!("{}, kernels {}", other.description, options.kernels);
             // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4, as on the
             // default API.
             assert_matches_fixtures(&fixture_requests(), &results, 1e-4, &on);
@@ -253,7 +211,10 @@ fn f16_on_the_gpu_stays_close_to_peft_in_f32() {
     for linear_kernel in kernels {
         let options = EngineOptions {
             precision: Precision::F16,
-            linear_kernel,
+            kernels: KernelPins {
+                linear: linear_kernel,
+                ..KernelPins::default()
+            },
             ..EngineOptions::default()
         };
         let results = engine(&gpu, options)
@@ -271,16 +232,14 @@ fn f16_on_the_gpu_stays_close_to_peft_in_f32() {
                 // two blocks and the merger; measured 1.44e-3 at worst on lavapipe.
                 assert!(
                     rel <= 4e-3,
-                    "{} ({:?}) {name} in f16, {} linears: rel {rel:e}",
+                    "{} ({:?}) {name} in f16, {linear_kernel} linears: rel {rel:e}",
                     result.id,
                     result.adapter,
-                    linear_kernel.name()
                 );
             }
         }
         eprintln!(
-            "f16 ({} linears) against PEFT f32: worst rel. Frobenius error {worst_rel:e}",
-            linear_kernel.name()
+            "f16 ({linear_kernel} linears) against PEFT f32: worst rel. Frobenius error {worst_rel:e}"
         );
         // An f32 run is within 1e-5 (above): f16's rounding must show, or it did not run in f16.
         assert!(
@@ -789,31 +748,32 @@ fn options_that_cannot_work_are_refused() {
             },
             "max_step_rows",
         ),
-        (
-            EngineOptions {
-                linear_kernel: LinearKernel::Wgsl,
-                ..default()
-            },
-            "wgsl linear kernel needs a GPU",
-        ),
-        (
-            EngineOptions {
-                linear_kernel: LinearKernel::Tiled,
-                ..default()
-            },
-            "tiled linear kernel needs a GPU",
-        ),
-        (
-            EngineOptions {
-                lora_shrink: ShrinkKernel::Registers,
-                ..default()
-            },
-            "registers",
-        ),
     ] {
         let error = Engine::open(&fixture_dir(), device::cpu(), options).unwrap_err();
         assert!(
             matches!(&error, EngineError::Options(m) if m.contains(says)),
+            "{says}: {error}"
+        );
+    }
+    // Kernels pinned for a GPU, on the CPU backend.
+    for (pins, says) in [
+        ("linear=wgsl", "the wgsl linear kernel needs a GPU"),
+        ("linear=tiled", "the tiled linear kernel needs a GPU"),
+        (
+            "shrink=registers",
+            "the registers LoRA shrink kernel needs a GPU",
+        ),
+    ] {
+        let options = EngineOptions {
+            kernels: pins.parse().unwrap(),
+            ..default()
+        };
+        let error = Engine::open(&fixture_dir(), device::cpu(), options).unwrap_err();
+        assert!(
+            matches!(
+                &error,
+                EngineError::Kernels(KernelError::Unsupported { .. })
+            ) && error.to_string().contains(says),
             "{says}: {error}"
         );
     }
@@ -870,7 +830,10 @@ fn coop_is_refused_where_it_cannot_run() {
         let coop = linear_kernel.coop_subgroup(&device).is_some();
         for precision in [Precision::F32, Precision::F16] {
             let options = EngineOptions {
-                linear_kernel,
+                kernels: KernelPins {
+                    linear: linear_kernel,
+                    ..KernelPins::default()
+                },
                 precision,
                 ..EngineOptions::default()
             };
@@ -879,12 +842,10 @@ fn coop_is_refused_where_it_cannot_run() {
             match opened {
                 Ok(_) => assert!(
                     runs,
-                    "{} in {} opened on {}",
-                    linear_kernel.name(),
-                    precision.name(),
+                    "{linear_kernel} in {precision} opened on {}",
                     device.description
                 ),
-                Err(EngineError::Options(problem)) => assert!(!runs, "{problem}"),
+                Err(EngineError::Kernels(problem)) => assert!(!runs, "{problem}"),
                 Err(error) => panic!("{error}"),
             }
         }

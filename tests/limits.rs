@@ -11,6 +11,7 @@ use mmlora::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, R
 use mmlora::models::qwen2_vl::Preset;
 use mmlora::models::qwen2_vl::Qwen2VlVision;
 use mmlora::ops::attention::AttentionKernel;
+use mmlora::ops::kernels::Kernels;
 use mmlora::ops::lora::LoraBatch;
 use mmlora::routing::meta::{KernelMeta, NO_SLOT};
 use mmlora::runtime::device::{self, RuntimeDevice};
@@ -44,7 +45,10 @@ fn encode(on: &RuntimeDevice) -> (Engine, Vec<Encoded>) {
 /// queries; and with the fused kernel, which the limit does not split.
 fn attention_in_blocks(on: &RuntimeDevice, rel_tol: f64) {
     let mut model = Qwen2VlVision::random(Preset::Tiny.config(), &on.device);
-    model.set_attention_kernel(AttentionKernel::Burn);
+    model.set_kernels(Kernels {
+        attention: AttentionKernel::Burn,
+        ..model.kernels()
+    });
     let heads = 2;
     let grids = [[1, 8, 8], [1, 8, 8], [1, 4, 4], [1, 8, 8]];
     let rows: usize = grids.iter().map(|g| g.iter().product::<usize>()).sum();
@@ -71,7 +75,10 @@ fn attention_in_blocks(on: &RuntimeDevice, rel_tol: f64) {
     // Scores of 5 queries over all 64 keys fit; 6 do not.
     model.set_buffer_limit((4 * heads * 64 * 5) as u64);
     let blocks = run(&model);
-    model.set_attention_kernel(AttentionKernel::Fused);
+    model.set_kernels(Kernels {
+        attention: AttentionKernel::Fused,
+        ..model.kernels()
+    });
     let fused = run(&model);
     for (how, got) in [
         ("one image at a time", apart),

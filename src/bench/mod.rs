@@ -23,10 +23,11 @@ use crate::adapters::{ModuleLora, PeftAdapter};
 use crate::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
 use crate::models::qwen2_vl::{LoraTarget, Preset, Qwen2VlVision, VisionConfig};
 use crate::ops::attention::AttentionKernel;
+use crate::ops::kernels::KernelPins;
 use crate::ops::linear::LinearKernel;
 use crate::ops::lora::ShrinkKernel;
 use crate::preprocess::{Patches, PreprocessConfig, smart_resize};
-use crate::runtime::device::{Precision, RuntimeDevice};
+use crate::runtime::device::{DeviceClass, Precision, RuntimeDevice};
 
 /// What to measure.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,14 +46,10 @@ pub struct BenchSpec {
     pub repeats: usize,
     /// The float type the model computes in.
     pub precision: Precision,
-    /// The linear layers' kernel. With `Auto` the base also runs with each of the device's
-    /// [`LinearKernel::candidates`] that `Auto` does not resolve to, to compare them in one run.
-    pub linear_kernel: LinearKernel,
-    /// The LoRA shrink shader on a GPU.
-    pub lora_shrink: ShrinkKernel,
-    /// Attention's implementation. With `Auto` on a GPU the base also runs with the one `Auto`
-    /// does not resolve to, to compare them in one run.
-    pub attention_kernel: AttentionKernel,
+    /// Kernels pinned by name. With the linears left to the device or timed, the base also
+    /// runs with each of the device's [`LinearKernel::candidates`] pinned, and with attention
+    /// left to a GPU, with the implementation it does not pick: to compare them in one run.
+    pub kernels: KernelPins,
 }
 
 /// The default image side on a software GPU (lavapipe): it runs the 2B tower about 6× slower
@@ -77,9 +74,7 @@ impl Default for BenchSpec {
             ranks: vec![16],
             repeats: 3,
             precision: Precision::F32,
-            linear_kernel: LinearKernel::Auto,
-            lora_shrink: ShrinkKernel::Auto,
-            attention_kernel: AttentionKernel::Auto,
+            kernels: KernelPins::default(),
         }
     }
 }
@@ -112,17 +107,6 @@ impl BenchSpec {
         })
     }
 
-    /// How this spec computes with `linear_kernel` for the linears and `attention_kernel` for
-    /// attention.
-    fn compute(&self, linear_kernel: LinearKernel, attention_kernel: AttentionKernel) -> Compute {
-        (
-            self.precision,
-            linear_kernel,
-            self.lora_shrink,
-            attention_kernel,
-        )
-    }
-
     /// What this spec's configuration of `adapters` adapters of `rank` runs on `device`, as
     /// `compute` says.
     fn setup(
@@ -144,9 +128,8 @@ impl BenchSpec {
     }
 }
 
-/// How a configuration computes: its float type, its linears' kernel (resolved for the device),
-/// its LoRA shrink shader and its attention's implementation.
-type Compute = (Precision, LinearKernel, ShrinkKernel, AttentionKernel);
+/// How a configuration computes: its float type and its kernel pins.
+type Compute = (Precision, KernelPins);
 
 /// What a line of `mmlora bench` ran: the device, the model shape, the batch and the kernels
 /// (fields of the line itself in its JSON).
@@ -168,7 +151,8 @@ pub struct RunSetup {
     pub rank: usize,
     /// `f32` or `f16`.
     pub precision: String,
-    /// The linear layers' kernel: `burn`, `wgsl`, `tiled`, `coop`, `coop-wide` or `coop-direct`.
+    /// The linear layers' kernel: `timed` (the fastest checked one per shape), `burn`, `wgsl`,
+    /// `tiled`, `coop`, `coop-wide` or `coop-direct`.
     pub linear_kernel: String,
     /// The LoRA shrink shader: `timed` (`split` or `wide` per shape), `split`, `wide` or
     /// `registers` (`None` on the CPU backend, which runs its own op).
@@ -184,7 +168,7 @@ impl RunSetup {
     fn new(
         device: &RuntimeDevice,
         preset: Preset,
-        (precision, linear_kernel, lora_shrink, attention_kernel): Compute,
+        (precision, pins): Compute,
         images: usize,
         side: usize,
         adapters: usize,
@@ -193,15 +177,15 @@ impl RunSetup {
         Self {
             device: device.kind().to_owned(),
             adapter_name: device.description.clone(),
-            preset: preset.name().to_owned(),
+            preset: preset.to_string(),
             images,
             side,
             adapters,
             rank,
-            precision: precision.name().to_owned(),
-            linear_kernel: linear_kernel.name().to_owned(),
-            lora_shrink: shrink_name(lora_shrink, device),
-            attention_kernel: attention_kernel.name().to_owned(),
+            precision: precision.to_string(),
+            linear_kernel: pins.linear.resolve(device).to_string(),
+            lora_shrink: shrink_name(pins.shrink, device),
+            attention_kernel: pins.attention.resolve(device).to_string(),
         }
     }
 }
@@ -237,31 +221,33 @@ pub fn run(
     let requests = random_images(spec.images, spec.side, &config);
 
     // (adapters, rank, how it computes); the base with the chosen kernels first.
-    let kernel = spec.linear_kernel.resolve(device);
-    let attention = spec.attention_kernel.resolve(device);
-    let compute = spec.compute(kernel, attention);
+    let pins = spec.kernels;
+    let compute = (spec.precision, pins);
     let mut configurations = vec![(0, 0, compute)];
     for &rank in &spec.ranks {
         configurations.extend(spec.adapters.iter().map(|&k| (k, rank, compute)));
     }
-    if spec.linear_kernel == LinearKernel::Auto {
+    let pinned = |pins: KernelPins| (0, 0, (spec.precision, pins));
+    if matches!(pins.linear, LinearKernel::Auto | LinearKernel::Timed) {
+        let kernel = pins.linear.resolve(device);
         let others = LinearKernel::candidates(device, spec.precision.dtype(), false);
         let others = others.iter().filter(|&&other| other != kernel);
-        configurations.extend(others.map(|&other| (0, 0, spec.compute(other, attention))));
+        configurations.extend(others.map(|&linear| pinned(KernelPins { linear, ..pins })));
     }
-    if spec.attention_kernel == AttentionKernel::Auto && device.wgpu.is_some() {
+    if pins.attention == AttentionKernel::Auto && device.class() != DeviceClass::Cpu {
+        let attention = pins.attention.resolve(device);
         let others = AttentionKernel::BOTH
             .into_iter()
-            .filter(|&a| a != attention);
-        configurations.extend(others.map(|other| (0, 0, spec.compute(kernel, other))));
+            .filter(|&other| other != attention);
+        configurations.extend(others.map(|attention| pinned(KernelPins { attention, ..pins })));
     }
     let mut runs = Vec::with_capacity(configurations.len());
     for &(adapters, rank, compute) in &configurations {
-        let (_, linear, _, attention) = compute;
+        let (_, pins) = compute;
         progress(&format!(
             "preparing {adapters} adapters of rank {rank}, {} linears, {} attention",
-            linear.name(),
-            attention.name()
+            pins.linear.resolve(device),
+            pins.attention.resolve(device)
         ));
         let mut engine = engine_with_adapters(&model, device, compute, adapters, adapters, rank)?;
         let batch = mixed_batch(&requests, adapters, rank);
@@ -354,16 +340,16 @@ fn shrink_name(kernel: ShrinkKernel, device: &RuntimeDevice) -> Option<String> {
     device
         .wgpu
         .as_ref()
-        .map(|_| kernel.resolve(device).name().to_owned())
+        .map(|_| kernel.resolve(device).to_string())
 }
 
-/// An engine around `model` computing in `precision` with `linear_kernel` for the linears and
-/// `lora_shrink` for the LoRA shrink, with `slots` GPU slots and `loaded` random adapters of
-/// `rank` registered (named `r{rank}-{k}`), all held in host memory.
+/// An engine around `model` computing in `precision` with the kernels `pins` pins, with `slots`
+/// GPU slots and `loaded` random adapters of `rank` registered (named `r{rank}-{k}`), all held
+/// in host memory.
 fn engine_with_adapters(
     model: &Qwen2VlVision,
     device: &RuntimeDevice,
-    (precision, linear_kernel, lora_shrink, attention_kernel): Compute,
+    (precision, pins): Compute,
     slots: usize,
     loaded: usize,
     rank: usize,
@@ -374,9 +360,7 @@ fn engine_with_adapters(
         max_cpu_adapters: loaded.max(slots).max(1),
         max_step_rows: usize::MAX,
         precision,
-        linear_kernel,
-        lora_shrink,
-        attention_kernel,
+        kernels: pins,
     };
     let mut engine = Engine::with_model(
         model.clone(),

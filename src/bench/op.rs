@@ -37,7 +37,21 @@ pub const NARROW_COLUMNS: usize = 4;
 pub const BACK_TO_BACK_CALLS: u32 = 10;
 
 /// How the op's rows take the adapters.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    strum::Display,
+    strum::IntoStaticStr,
+    strum::EnumString,
+    strum::VariantArray,
+    strum::VariantNames,
+    strum::EnumMessage,
+)]
+#[strum(serialize_all = "kebab-case")]
 pub enum OpMix {
     /// Row `r` takes adapter `r % adapters`: no two neighbouring rows share one, the worst case
     /// for a kernel that shares an adapter's loads among neighbouring rows (the fused store).
@@ -49,14 +63,6 @@ pub enum OpMix {
 }
 
 impl OpMix {
-    /// The name the command line and the bench records use.
-    pub fn name(self) -> &'static str {
-        match self {
-            OpMix::Rows => "rows",
-            OpMix::Runs => "runs",
-        }
-    }
-
     /// Each of `rows` rows' adapter slot, with `adapters` adapters mixed.
     pub fn token_slots(self, rows: usize, adapters: usize) -> Vec<i32> {
         let slot = |r: usize| match self {
@@ -397,9 +403,9 @@ pub fn run(shape: OpShape, on: &RuntimeDevice, repeats: usize) -> OpRecord {
         out_features: shape.out_features,
         rank: shape.rank,
         adapters: shape.adapters,
-        op_mix: shape.mix.name(),
-        precision: shape.precision.name().to_owned(),
-        linear_kernel: inputs.shape.linear_kernel.name().to_owned(),
+        op_mix: shape.mix.into(),
+        precision: shape.precision.to_string(),
+        linear_kernel: inputs.shape.linear_kernel.to_string(),
         lora_shrink: super::shrink_name(shape.lora_shrink, on),
         base_ms: super::median(base),
         lora_ms: super::median(lora),

@@ -17,9 +17,7 @@ use super::{
 };
 use crate::engine::{Engine, EngineError, Request};
 use crate::models::qwen2_vl::Qwen2VlVision;
-use crate::ops::attention::AttentionKernel;
-use crate::ops::linear::LinearKernel;
-use crate::ops::lora::ShrinkKernel;
+use crate::ops::kernels::KernelPins;
 use crate::runtime::device::{Precision, RuntimeDevice};
 
 /// What to sweep.
@@ -48,12 +46,8 @@ pub struct ScaleSpec {
     pub adapter_images: usize,
     /// The float type the model computes in.
     pub precision: Precision,
-    /// The linear layers' kernel.
-    pub linear_kernel: LinearKernel,
-    /// The LoRA shrink shader on a GPU.
-    pub lora_shrink: ShrinkKernel,
-    /// Attention's implementation.
-    pub attention_kernel: AttentionKernel,
+    /// Kernels pinned by name.
+    pub kernels: KernelPins,
 }
 
 /// Image side of the sweep by default: 64 images of it are 4096 tower rows.
@@ -75,9 +69,7 @@ impl Default for ScaleSpec {
             slots: 16,
             adapter_images: 64,
             precision: Precision::F32,
-            linear_kernel: LinearKernel::Auto,
-            lora_shrink: ShrinkKernel::Auto,
-            attention_kernel: AttentionKernel::Auto,
+            kernels: KernelPins::default(),
         }
     }
 }
@@ -137,12 +129,7 @@ pub fn run(
     let sweep = Sweep {
         spec,
         device,
-        compute: (
-            spec.precision,
-            spec.linear_kernel.resolve(device),
-            spec.lora_shrink,
-            spec.attention_kernel.resolve(device),
-        ),
+        compute: (spec.precision, spec.kernels),
         model: &model,
         requests: &requests,
     };
@@ -356,9 +343,7 @@ mod tests {
             slots: 2,
             adapter_images: 5,
             precision: Precision::F32,
-            linear_kernel: LinearKernel::Auto,
-            lora_shrink: ShrinkKernel::Auto,
-            attention_kernel: AttentionKernel::Auto,
+            kernels: KernelPins::default(),
         };
         let records = run(&spec, &crate::runtime::device::cpu(), |_| (), |_| ()).unwrap();
         let seen: Vec<_> = records

@@ -67,8 +67,7 @@ pub fn run(
     let mut model = Qwen2VlVision::random(config.clone(), &device.device);
     model.set_stage_clock(clock.clone());
     let requests = random_images(spec.images, spec.side, &config);
-    let kernel = spec.linear_kernel.resolve(device);
-    let compute = spec.compute(kernel, spec.attention_kernel.resolve(device));
+    let compute = (spec.precision, spec.kernels);
     let rank = spec.ranks.first().copied().unwrap_or(1);
     let mixed = spec.adapters.iter().copied().max().unwrap_or(1);
     let configurations = [(0, 0), (mixed, rank)];

@@ -10,20 +10,19 @@ use mmlora::bench::stages;
 use mmlora::bench::{self, BenchSpec};
 use mmlora::engine::MAX_LORAS;
 use mmlora::models::qwen2_vl::Preset;
-use mmlora::ops::attention::AttentionKernel;
-use mmlora::ops::linear::LinearKernel;
+use mmlora::ops::kernels::KernelPins;
 use mmlora::ops::lora::{MAX_RANK, ShrinkKernel};
 use mmlora::preprocess::MAX_DECODED_PIXELS;
-use mmlora::runtime::device::{self, DeviceChoice, Precision, RuntimeDevice};
+use mmlora::runtime::device::{self, DeviceChoice, DeviceClass, Precision, RuntimeDevice};
 
-use super::CliError;
 use super::output::check_writable;
+use super::{CliError, choice};
 
 /// Arguments of `mmlora bench`.
 #[derive(Debug, clap::Args)]
 pub struct BenchArgs {
     /// The model shape (random weights in the real layout).
-    #[arg(long, value_enum, default_value = "qwen2-vl-2b")]
+    #[arg(long, value_parser = choice::of::<Preset>(), default_value = "qwen2-vl-2b")]
     preset: Preset,
     /// Images per batch.
     #[arg(long, default_value_t = BenchSpec::default().images)]
@@ -43,26 +42,17 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = BenchSpec::default().repeats)]
     repeats: usize,
     /// Where to run.
-    #[arg(long, value_enum, default_value = "auto")]
+    #[arg(long, value_parser = choice::of::<DeviceChoice>(), default_value = "auto")]
     device: DeviceChoice,
-    /// The float type to compute in (f16: a GPU with SHADER_F16).
-    #[arg(long, value_enum, default_value = "f32")]
+    /// The float type to compute in.
+    #[arg(long, value_parser = choice::of::<Precision>(), default_value = "f32")]
     precision: Precision,
-    /// The kernel of the linear layers' base products on a GPU (auto: ours for software GPUs
-    /// on one, the fastest per shape, timed, on a hardware one). With auto on a GPU the base
-    /// also runs with each candidate kernel alone (Burn's; on a hardware GPU Burn's, our tiled
-    /// one and in f16 the coop kernels where they run), to compare them in one run.
-    #[arg(long, value_enum, default_value = "auto")]
-    linear_kernel: LinearKernel,
-    /// The LoRA shrink shader on a GPU (auto: registers on a software GPU; on a hardware one
-    /// timed, the faster of split and wide per shape; any but auto needs a GPU device).
-    #[arg(long, value_enum, default_value = "auto")]
-    lora_shrink: ShrinkKernel,
-    /// Attention's implementation on a GPU (fused: one WGSL kernel; burn: Burn's ops; auto:
-    /// fused on a hardware GPU, burn on a software one). On the CPU all are mmlora's own pass.
-    /// With auto on a GPU the base also runs with the other, to compare them in one run.
-    #[arg(long, value_enum, default_value = "auto")]
-    attention_kernel: AttentionKernel,
+    /// Kernels to pin, as OP=KERNEL,… (ops: linear, shrink, attention; docs/cli.md lists their
+    /// kernels); MMLORA_KERNELS pins the ops left out. Where the linears are left to the
+    /// device, the base also runs with each candidate kernel pinned, and where attention is
+    /// left to a GPU, with the other implementation: to compare them in one run.
+    #[arg(long, value_name = "OP=KERNEL,…", value_parser = |text: &str| text.parse::<KernelPins>())]
+    kernels: Option<KernelPins>,
     /// One JSON object per configuration instead of a table.
     #[arg(long)]
     json: bool,
@@ -75,7 +65,7 @@ pub struct BenchArgs {
     /// How the LoRA op's rows take the adapters, comma-separated (rows: row by row, so no two
     /// neighbouring rows share one; runs: one run of rows per adapter, as a batch's images
     /// hold their tokens).
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "rows")]
+    #[arg(long, value_parser = choice::of::<OpMix>(), value_delimiter = ',', default_value = "rows")]
     op_mix: Vec<OpMix>,
     /// Skip the LoRA op comparison.
     #[arg(long)]
@@ -167,10 +157,15 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
     }
     let runtime = device::select(args.device)?;
     eprintln!("device: {}", runtime.description);
-    if args.scale {
-        return run_scale(args, &runtime);
+    let kernels = args.kernels.unwrap_or_default().or(KernelPins::from_env()?);
+    if kernels != KernelPins::default() {
+        eprintln!("kernels: {kernels}");
     }
-    let software_gpu = runtime.wgpu.is_some() && !runtime.hardware_gpu;
+    kernels.check(&runtime, args.precision)?;
+    if args.scale {
+        return run_scale(args, kernels, &runtime);
+    }
+    let software_gpu = runtime.class() == DeviceClass::SoftwareGpu;
     let side = args.side.unwrap_or(if software_gpu {
         bench::SOFTWARE_GPU_SIDE
     } else {
@@ -184,9 +179,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
         ranks: args.ranks,
         repeats: args.repeats,
         precision: args.precision,
-        linear_kernel: args.linear_kernel,
-        lora_shrink: args.lora_shrink,
-        attention_kernel: args.attention_kernel,
+        kernels,
     }
     .as_run()?;
     if spec.side != side {
@@ -266,7 +259,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
             "b2b fused"
         );
     }
-    let shrink_kernels = bench::op::shrink_kernels(spec.lora_shrink, &runtime);
+    let shrink_kernels = bench::op::shrink_kernels(spec.kernels.shrink, &runtime);
     let op_variants: Vec<(OpMix, ShrinkKernel)> = args
         .op_mix
         .iter()
@@ -278,13 +271,12 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                 eprintln!(
                     "the LoRA op alone: {rows} rows, rank {rank}, {mixed} adapters mixed by {}, \
                      {} shrink…",
-                    mix.name(),
-                    lora_shrink.name()
+                    mix, lora_shrink
                 );
                 let shape = OpShape {
                     mix,
                     precision: spec.precision,
-                    linear_kernel: spec.linear_kernel,
+                    linear_kernel: spec.kernels.linear,
                     lora_shrink,
                     ..OpShape::qkv(&spec.preset.config(), rows, rank, mixed)
                 };
@@ -363,7 +355,11 @@ fn run_stages(spec: &BenchSpec, runtime: &RuntimeDevice, json: bool) -> Result<(
 }
 
 /// Runs `mmlora bench --scale`.
-fn run_scale(args: BenchArgs, runtime: &RuntimeDevice) -> Result<(), CliError> {
+fn run_scale(
+    args: BenchArgs,
+    kernels: KernelPins,
+    runtime: &RuntimeDevice,
+) -> Result<(), CliError> {
     let spec = ScaleSpec {
         preset: args.preset,
         side: args.side.unwrap_or(scale::SCALE_SIDE),
@@ -375,9 +371,7 @@ fn run_scale(args: BenchArgs, runtime: &RuntimeDevice) -> Result<(), CliError> {
         adapters: args.scale_adapters,
         slots: args.slots,
         precision: args.precision,
-        linear_kernel: args.linear_kernel,
-        lora_shrink: args.lora_shrink,
-        attention_kernel: args.attention_kernel,
+        kernels,
     };
     // JSON lines as each configuration is timed; the table once all are.
     let records = scale::run(

@@ -40,8 +40,8 @@ pub fn run() -> Result<(), CliError> {
             let info = setup.adapter.get_info();
             for kernel in LinearKernel::COOP {
                 println!(
-                    "  --linear-kernel {}: {}",
-                    kernel.name(),
+                    "  kernel linear={}: {}",
+                    kernel,
                     match kernel.coop_subgroup(&gpu) {
                         Some(subgroup) => format!("available, at subgroups of {subgroup}"),
                         None => "unavailable".to_owned(),

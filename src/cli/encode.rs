@@ -7,15 +7,13 @@ use std::time::Instant;
 use mmlora::adapters::PeftAdapter;
 use mmlora::engine::batch::Batch;
 use mmlora::engine::{Encoded, Engine, EngineOptions, ImageSource, Request};
-use mmlora::ops::attention::AttentionKernel;
-use mmlora::ops::linear::LinearKernel;
-use mmlora::ops::lora::ShrinkKernel;
-use mmlora::runtime::device::{self, DeviceChoice, Precision};
+use mmlora::ops::kernels::{self, KernelPins};
+use mmlora::runtime::device::{self, DeviceChoice, DeviceClass, Precision};
 
 use super::output::{
     OutputTensor, check_not_an_input, check_writable, files_in, report_to, write_safetensors,
 };
-use super::{CliError, model_dir};
+use super::{CliError, choice, model_dir};
 
 /// Arguments of `mmlora encode`.
 #[derive(Debug, clap::Args)]
@@ -37,7 +35,7 @@ pub struct EncodeArgs {
     #[arg(long)]
     out: Option<PathBuf>,
     /// Where to run.
-    #[arg(long, value_enum, default_value = "auto")]
+    #[arg(long, value_parser = choice::of::<DeviceChoice>(), default_value = "auto")]
     device: DeviceChoice,
     /// Also write each request's tower output.
     #[arg(long)]
@@ -48,22 +46,9 @@ pub struct EncodeArgs {
     /// The largest adapter rank accepted.
     #[arg(long, default_value_t = EngineOptions::default().max_rank)]
     max_rank: usize,
-    /// The float type to compute in (f16: a GPU with SHADER_F16; the outputs stay f32).
-    #[arg(long, value_enum, default_value = "f32")]
+    /// The float type to compute in (the outputs stay f32).
+    #[arg(long, value_parser = choice::of::<Precision>(), default_value = "f32")]
     precision: Precision,
-    /// The kernel of the linear layers' base products on a GPU (auto: ours for software GPUs
-    /// on one, the fastest per shape, timed, on a hardware one; wgsl and tiled need a GPU
-    /// device).
-    #[arg(long, value_enum, default_value = "auto")]
-    linear_kernel: LinearKernel,
-    /// The LoRA shrink shader on a GPU (auto: registers on a software GPU; on a hardware one
-    /// timed, the faster of split and wide per shape; any but auto needs a GPU device).
-    #[arg(long, value_enum, default_value = "auto")]
-    lora_shrink: ShrinkKernel,
-    /// Attention's implementation on a GPU (fused: one WGSL kernel; burn: Burn's ops; auto:
-    /// fused on a hardware GPU, burn on a software one). On the CPU all are mmlora's own pass.
-    #[arg(long, value_enum, default_value = "auto")]
-    attention_kernel: AttentionKernel,
 }
 
 /// Runs `mmlora encode`.
@@ -79,8 +64,12 @@ pub fn run(args: EncodeArgs) -> Result<(), CliError> {
     // Progress on stderr, results on stdout: a reader that stops early (`| head`) ends the
     // command only after its output file is written.
     eprintln!("device: {}", device.description);
-    if args.device == DeviceChoice::Auto && !device.hardware_gpu {
+    if args.device == DeviceChoice::Auto && device.class() == DeviceClass::Cpu {
         eprintln!("  (auto: wgpu found no hardware GPU; --device gpu forces wgpu anyway)");
+    }
+    let pins = KernelPins::from_env()?;
+    if pins != KernelPins::default() {
+        eprintln!("kernels: {pins} ({})", kernels::ENV);
     }
     let options = EngineOptions {
         max_loras: args.max_loras,
@@ -89,9 +78,6 @@ pub fn run(args: EncodeArgs) -> Result<(), CliError> {
             .max_cpu_adapters
             .max(args.max_loras),
         precision: args.precision,
-        linear_kernel: args.linear_kernel,
-        lora_shrink: args.lora_shrink,
-        attention_kernel: args.attention_kernel,
         ..EngineOptions::default()
     };
     let started = Instant::now();

@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod bundled;
+mod choice;
 pub mod devices;
 pub mod encode;
 pub mod inspect;
@@ -17,6 +18,7 @@ use mmlora::bench::plot::PlotError;
 use mmlora::engine::EngineError;
 use mmlora::engine::batch::BatchError;
 use mmlora::models::qwen2_vl::ConfigError;
+use mmlora::ops::kernels::KernelError;
 use mmlora::preprocess::PreprocessError;
 use mmlora::runtime::device::DeviceError;
 
@@ -61,6 +63,9 @@ pub enum CliError {
     /// No device.
     #[error(transparent)]
     Device(#[from] DeviceError),
+    /// Kernel pins that cannot be read.
+    #[error(transparent)]
+    Kernels(#[from] KernelError),
     /// The engine refused or failed.
     #[error(transparent)]
     Engine(#[from] EngineError),

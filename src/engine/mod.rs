@@ -27,12 +27,8 @@ use image::RgbImage;
 use crate::adapters::registry::{AdapterKey, AdapterRegistry};
 use crate::adapters::{AdapterError, PeftAdapter, install};
 use crate::models::qwen2_vl::{ModelError, Qwen2VlVision, VisionConfig};
-use crate::ops::attention::AttentionKernel;
-use crate::ops::linear::choice::LinearChoice;
-use crate::ops::linear::{self, CoopTiling, LinearKernel};
-use crate::ops::lora::{LoraBatch, MAX_RANK, ShrinkKernel};
-use crate::ops::norm::NormKernel;
-use crate::ops::rotary::RotaryKernel;
+use crate::ops::kernels::{KernelError, KernelPins, Kernels};
+use crate::ops::lora::{LoraBatch, MAX_RANK};
 use crate::preprocess::{Patches, PreprocessConfig, PreprocessError, load_image, preprocess};
 use crate::routing::mapping::{
     AdapterRequest, EncoderCache, LoraState, MappingError, MmFeature, MmLoraActivation, Modality,
@@ -61,13 +57,10 @@ pub struct EngineOptions {
     pub max_step_rows: usize,
     /// The float type the model computes in (f16 only on a GPU that has it).
     pub precision: Precision,
-    /// Which kernel computes the linear layers' base products on a GPU.
-    pub linear_kernel: LinearKernel,
-    /// Which shader computes the LoRA shrink on a GPU.
-    pub lora_shrink: ShrinkKernel,
-    /// Which implementation computes attention, resolved per device (on the CPU backend every
-    /// choice is its own pass).
-    pub attention_kernel: AttentionKernel,
+    /// Kernels pinned by name, for benchmarks and bug reports; none by default, each op's
+    /// kernel then chosen for the device ([`crate::ops::kernels`]). The environment variable
+    /// [`crate::ops::kernels::ENV`] pins the ops these leave unnamed.
+    pub kernels: KernelPins,
 }
 
 impl Default for EngineOptions {
@@ -78,9 +71,7 @@ impl Default for EngineOptions {
             max_cpu_adapters: 32,
             max_step_rows: 16_384,
             precision: Precision::F32,
-            linear_kernel: LinearKernel::Auto,
-            lora_shrink: ShrinkKernel::Auto,
-            attention_kernel: AttentionKernel::Auto,
+            kernels: KernelPins::default(),
         }
     }
 }
@@ -142,6 +133,9 @@ pub enum EngineError {
     /// The options cannot work.
     #[error("invalid engine options: {0}")]
     Options(String),
+    /// A pinned kernel cannot be read or does not run on the device.
+    #[error(transparent)]
+    Kernels(#[from] KernelError),
     /// The model folder's files disagree.
     #[error("{path}: {reason}")]
     Inconsistent {
@@ -214,7 +208,7 @@ pub enum EngineError {
     /// A request's output is not finite: the model overflowed the precision it computes in.
     #[error(
         "request `{request}`: its {output} hold {value} (row {row}): the model overflowed {}{}",
-        precision.name(),
+        precision,
         if *precision == Precision::F16 { "; run it in f32" } else { "" }
     )]
     NotFinite {
@@ -343,12 +337,10 @@ impl Engine {
         if options.precision == Precision::F16 {
             check_fits_f16(&model)?;
         }
-        let dtype = options.precision.dtype();
-        let mut model = model.cast(dtype);
-        model.set_linear_kernel(LinearChoice::new(options.linear_kernel, &device, dtype));
-        model.set_attention_kernel(options.attention_kernel.resolve(&device));
-        model.set_norm_kernel(NormKernel::for_device(&device));
-        model.set_rotary_kernel(RotaryKernel::for_device(&device));
+        let pins = options.kernels.or(KernelPins::from_env()?);
+        let kernels = Kernels::choose(pins, &device, options.precision)?;
+        let mut model = model.cast(options.precision.dtype());
+        model.set_kernels(kernels);
         Ok(Self {
             model,
             preprocess,
@@ -775,8 +767,8 @@ impl Engine {
         let output = self.model.forward(
             pixels,
             grids,
-            &LoraBatch::with_shrink(tower_meta, &self.device, self.options.lora_shrink),
-            &LoraBatch::with_shrink(connector_meta, &self.device, self.options.lora_shrink),
+            &LoraBatch::with_kernels(tower_meta, &self.device, self.model.kernels().lora),
+            &LoraBatch::with_kernels(connector_meta, &self.device, self.model.kernels().lora),
         )?;
         let embeds = read_back(output.embeds)?;
         let tower = with_tower.then(|| read_back(output.tower)).transpose()?;
@@ -1124,32 +1116,7 @@ fn check_options(options: &EngineOptions, device: &RuntimeDevice) -> Result<(), 
     } else if !device.supports(options.precision) {
         Some(format!(
             "{} needs a GPU whose adapter has SHADER_F16; {} does not offer it",
-            options.precision.name(),
-            device.description
-        ))
-    } else if options.linear_kernel.shader().is_some() && device.wgpu.is_none() {
-        Some(format!(
-            "the {} linear kernel needs a GPU device (the CPU backend uses Flex's matmul)",
-            options.linear_kernel.name()
-        ))
-    } else if let Some(tiling) = options.linear_kernel.coop_tiling()
-        && (options.precision != Precision::F16 || linear::coop_subgroup(device, tiling).is_none())
-    {
-        let subgroups = match tiling {
-            CoopTiling::Narrow => "16, 32 or 64",
-            CoopTiling::Wide | CoopTiling::Direct => "32",
-        };
-        Some(format!(
-            "the {} linear kernel needs f16 on a GPU with cooperative matrices (16×16×16, \
-             f16 summed in f32) and one subgroup size of {subgroups}; {} with {} does not",
-            options.linear_kernel.name(),
-            device.description,
-            options.precision.name()
-        ))
-    } else if options.lora_shrink != ShrinkKernel::Auto && device.wgpu.is_none() {
-        Some(format!(
-            "the {} LoRA shrink kernel needs a GPU device (the CPU backend has its own op)",
-            options.lora_shrink.name()
+            options.precision, device.description
         ))
     } else {
         None

@@ -7,7 +7,7 @@
 //! of the hardware script (`tools/h200/`) has passed its tests there, and leaves it the moment
 //! its text changes: [`CHECKED`] records each checked file's FNV-1a hash as it was in that run,
 //! and [`checked`] compares the text compiled into this build. The other kernels stay behind
-//! an explicit choice (`--linear-kernel`, `--lora-shrink`; documented in docs/cli.md).
+//! an explicit pin ([`crate::ops::kernels::KernelPins`]; documented in docs/cli.md).
 //!
 //! What is hashed is the shader file; the Rust side that fills in its template is not, so a
 //! change there should be checked on hardware too before it ships.

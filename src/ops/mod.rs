@@ -8,6 +8,7 @@
 pub mod activation;
 pub mod attention;
 pub mod hardware;
+pub mod kernels;
 pub mod linear;
 pub mod lora;
 pub mod norm;

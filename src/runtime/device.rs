@@ -5,8 +5,21 @@ use std::sync::{Mutex, PoisonError};
 use burn::tensor::wgpu::{WgpuBackend, WgpuInitError, WgpuSetup, wgpu};
 use burn::tensor::{DType, Device};
 
-/// Which backend to run on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+/// Which backend to run on; named in kebab case (`auto`, `cpu`, `gpu`).
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    strum::Display,
+    strum::IntoStaticStr,
+    strum::EnumString,
+    strum::VariantArray,
+    strum::VariantNames,
+    strum::EnumMessage,
+)]
+#[strum(serialize_all = "kebab-case")]
 pub enum DeviceChoice {
     /// A hardware GPU when wgpu has one, else the CPU backend (a software rasterizer such as
     /// lavapipe is slower than the CPU backend).
@@ -17,8 +30,22 @@ pub enum DeviceChoice {
     Gpu,
 }
 
-/// The float type the model computes in.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+/// The float type the model computes in; named `f32` or `f16`.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    strum::Display,
+    strum::IntoStaticStr,
+    strum::EnumString,
+    strum::VariantArray,
+    strum::VariantNames,
+    strum::EnumMessage,
+)]
+#[strum(serialize_all = "kebab-case")]
 pub enum Precision {
     /// 32-bit floats everywhere: the reference.
     #[default]
@@ -29,14 +56,6 @@ pub enum Precision {
 }
 
 impl Precision {
-    /// The name the command line and the bench records use: `f32` or `f16`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::F32 => "f32",
-            Precision::F16 => "f16",
-        }
-    }
-
     /// The tensor dtype.
     pub fn dtype(self) -> DType {
         match self {
@@ -63,7 +82,29 @@ pub struct RuntimeDevice {
     pub wgpu: Option<WgpuSetup>,
 }
 
+/// What a device is, as far as choosing kernels goes: the one fact about it that every `auto`
+/// choice reads ([`crate::ops::kernels`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceClass {
+    /// Burn's CPU backend (Flex).
+    Cpu,
+    /// wgpu on a software rasterizer (lavapipe, llvmpipe, SwiftShader): our kernels written for
+    /// it, measured on it.
+    SoftwareGpu,
+    /// wgpu on a GPU in hardware: only kernels whose shaders passed their tests on one.
+    HardwareGpu,
+}
+
 impl RuntimeDevice {
+    /// What the device is, for kernel choice.
+    pub fn class(&self) -> DeviceClass {
+        match (&self.wgpu, self.hardware_gpu) {
+            (None, _) => DeviceClass::Cpu,
+            (Some(_), false) => DeviceClass::SoftwareGpu,
+            (Some(_), true) => DeviceClass::HardwareGpu,
+        }
+    }
+
     /// `gpu` for a wgpu device, `cpu` for the CPU backend.
     pub fn kind(&self) -> &'static str {
         if self.wgpu.is_some() { "gpu" } else { "cpu" }

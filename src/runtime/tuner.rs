@@ -41,10 +41,14 @@ pub const TIMING_TRIES: usize = 2;
 /// the reference (casts, products, a blocking read) to find that out.
 pub const UNDECIDED_TRIES: usize = 4;
 
-/// A candidate of a choice.
-pub trait Candidate: Copy + Eq + Debug + Send + 'static {
-    /// The name the logs use.
-    fn name(self) -> &'static str;
+/// A candidate of a choice, named in the logs by its `&'static str` (strum's `IntoStaticStr`).
+pub trait Candidate: Copy + Eq + Debug + Send + Into<&'static str> + 'static {}
+
+impl<C: Copy + Eq + Debug + Send + Into<&'static str> + 'static> Candidate for C {}
+
+/// `candidate`'s name in the logs.
+fn name<C: Candidate>(candidate: C) -> &'static str {
+    candidate.into()
 }
 
 /// What one candidate's trial found: its time per call, or why it was left out (its output
@@ -241,25 +245,25 @@ impl<K: Hash + Eq + Clone + Debug, C: Candidate> Tuner<K, C> {
             .map(|timing| match &timing.outcome {
                 Ok(time) => format!(
                     "{} {:.3} ms",
-                    timing.candidate.name(),
+                    name(timing.candidate),
                     time.as_secs_f64() * 1e3
                 ),
                 Err(why) => {
                     tracing::warn!(
                         what = self.what,
                         ?key,
-                        candidate = timing.candidate.name(),
+                        candidate = name(timing.candidate),
                         why,
                         "a candidate left out"
                     );
-                    format!("{} left out", timing.candidate.name())
+                    format!("{} left out", name(timing.candidate))
                 }
             })
             .collect();
         tracing::info!(
             what = self.what,
             ?key,
-            picked = fastest.name(),
+            picked = name(fastest),
             times = times.join(", "),
             runs = TIMED_RUNS,
             calls = trial.calls,
@@ -337,21 +341,11 @@ mod tests {
     use crate::runtime::device;
 
     /// Three ways to compute `x + x`: two right (one in another order), one wrong.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
     enum Way {
         Doubled,
         Added,
         Wrong,
-    }
-
-    impl Candidate for Way {
-        fn name(self) -> &'static str {
-            match self {
-                Way::Doubled => "doubled",
-                Way::Added => "added",
-                Way::Wrong => "wrong",
-            }
-        }
     }
 
     /// The wrong way is left out, one of the right ones is kept, and the next call of the key

@@ -92,37 +92,38 @@ step devices 30 "$bin/mmlora" devices
 # fused attention kernel (the default) runs every configuration, and the base runs once more
 # with Burn's attention beside it.
 step bench 180 "${bench[@]}" --adapters 1,2,4,8 --ranks 8,16,64 --op-rows 256,4096,8192 \
-    --linear-kernel burn --plot "$work/bench.png"
+    --kernels linear=burn --plot "$work/bench.png"
 step bench-f16 120 "${bench[@]}" --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 \
-    --linear-kernel burn
+    --kernels linear=burn
 # The PyTorch + PEFT baseline on the same machine, the same shapes and adapters (CUDA's fp32
 # without TF32, and bf16: the anchors), with the image's PyTorch and transformers.
 torch_bench=(python3 tools/bench_torch.py --device "$torch_device" --images 8 "${shape[@]}"
     --adapters 1,2,4,8 --ranks 16)
 step torch-fp32 120 "${torch_bench[@]}"
 step torch-bf16 90 "${torch_bench[@]}" --dtype bfloat16
-# The fastest linear kernel per shape (auto times Burn's and our tiled one, each checked against
-# Burn's first, its picks logged at info), and the base with each kernel alone beside it. The
-# op lines time the op apart and fused into the picked kernel side by side (`fused_*`), with the
+# The fastest linear kernel per shape (`timed` times Burn's and our tiled one, hardware-checked
+# or not, each against Burn's first, its picks logged at info), and the base with each kernel
+# alone beside it. The op lines time the op apart and fused into the picked kernel side by side (`fused_*`), with the
 # adapters mixed row by row (the fused store's worst case) and in runs of rows (as images).
 step linear-kernels 120 env RUST_LOG=mmlora=info \
     "${bench[@]}" --adapters 8 --ranks 16 --op-rows 256,4096,8192 --op-mix rows,runs --repeats 2 \
-    --linear-kernel auto
+    --kernels linear=timed
 # The f16 linears on cooperative matrices (the tensor cores).
 step coop-f16 90 "${bench[@]}" --adapters 1,8 --ranks 16 --op-rows 256,4096 --precision f16 \
-    --linear-kernel coop
+    --kernels linear=coop
 # Where the time goes: each stage clocked (products in TFLOP/s, against the fp32 ALU peak of ~67
-# and cuBLAS's 50.3), with auto's linears, auto's LoRA shrink (`split` or `wide` per shape,
-# timed) and auto's fusion of the op (fused or apart per shape, timed); the picks logged at info.
+# and cuBLAS's 50.3), with the linears timed per shape, auto's LoRA shrink (`split` or `wide`
+# per shape, timed, once hardware-checked) and auto's fusion of the op (fused or apart per
+# shape, timed); the picks logged at info.
 step stages 90 env RUST_LOG=mmlora=info \
-    "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto
+    "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --kernels linear=timed
 # The same with the wide LoRA kernels on every shape, against the step above's picks.
 step stages-wide 90 env RUST_LOG=mmlora=info \
-    "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto \
-    --lora-shrink wide
+    "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 \
+    --kernels linear=timed,shrink=wide
 # 16 distinct adapters need 16 images (each image carries one).
 step bench-16 90 "$bin/mmlora" bench --device gpu --json --images 16 "${shape[@]}" \
-    --adapters 16 --ranks 16 --no-op --linear-kernel burn
+    --adapters 16 --ranks 16 --no-op --kernels linear=burn
 # The op against the native path on a real Vulkan driver, every shader and edge case, and fused
 # into the linear kernels (the real coop ones too: MMLORA_EXPECT_COOP=1 fails where they cannot
 # run).
@@ -142,15 +143,16 @@ step linear-tests 120 env MMLORA_EXPECT_COOP=$expect_coop MMLORA_COOP_REPEATS=50
     "$bin/lib" ops::linear --nocapture
 step linear-kernels-f16 120 env RUST_LOG=mmlora=info \
     "${bench[@]}" --adapters 8 --ranks 16 --op-rows 256,4096,8192 --op-mix rows,runs --repeats 2 \
-    --linear-kernel auto --precision f16
+    --kernels linear=timed --precision f16
 step stages-f16 90 env RUST_LOG=mmlora=info \
-    "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --linear-kernel auto --precision f16
+    "${bench[@]}" --stages --adapters 8 --ranks 16 --repeats 2 --kernels linear=timed \
+    --precision f16
 # The engine against transformers + PEFT, isolation and the rest, on a real driver.
 step engine-tests 180 "$bin/engine" --skip every_other_graphics_api
 # How time and memory grow with images per batch and adapters loaded past 16 slots (after the
 # tests: on 2026-12-04 its 150 s left them no time).
 step scale 150 "$bin/mmlora" bench --device gpu --json --scale "${shape[@]}" \
-    --scale-images 1,4,16,64 --scale-adapters 1,16,64 --linear-kernel burn
+    --scale-images 1,4,16,64 --scale-adapters 1,16,64 --kernels linear=burn
 # auto's timing per shape, on sizes up to 4 GiB, each pick checked first.
 step linear-choice-tests 90 env MMLORA_EXPECT_COOP=$expect_coop \
     "$bin/lib" ops::linear::choice --nocapture
@@ -160,7 +162,7 @@ step linears-alone 120 env MMLORA_BENCH_ROWS=$linear_rows "$bin/linear_bench" --
     --warm-up-time 0.5 --measurement-time 1
 # The op with the shrink shader built for software GPUs (compare with the bench step's op lines).
 step shrink-registers 60 "${bench[@]}" --adapters 8 --ranks 16,64 --op-rows 256,4096 \
-    --linear-kernel burn --lora-shrink registers
+    --kernels linear=burn,shrink=registers
 step soak 120 env MMLORA_SOAK_BATCHES=200 "$bin/soak" on_wgpu --nocapture
 step device-faults 120 "$bin/device_faults"
 # The fixture batch on NVIDIA's OpenGL ES (EGL) too; last and on a short clock, since wgpu's GL

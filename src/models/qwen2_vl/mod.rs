@@ -16,10 +16,10 @@ use crate::nn::LoraLinear;
 use crate::ops::activation::{gelu_in_f32, quick_gelu};
 use crate::ops::attention::AttentionKernel;
 use crate::ops::attention::wgsl as fused_attention;
-use crate::ops::linear::choice::LinearChoice;
+use crate::ops::kernels::Kernels;
 use crate::ops::lora::{LoraBatch, LoraOpError};
 use crate::ops::norm::{self, NormKernel};
-use crate::ops::rotary::{RotaryKernel, rotate_packed};
+use crate::ops::rotary::rotate_packed;
 use crate::preprocess::grid_rows;
 use crate::runtime::stages::{Stage, StageClock};
 pub use config::{ConfigError, DEFAULT_ROPE_THETA, LoraTarget, VisionConfig};
@@ -134,11 +134,8 @@ pub struct Qwen2VlVision {
     device: Device,
     /// The largest buffer one operation may make, in bytes.
     buffer_limit: u64,
-    /// Which implementation computes attention.
-    attention_kernel: AttentionKernel,
-    /// Which implementation computes the layer norms.
-    norm_kernel: NormKernel,
-    rotary_kernel: RotaryKernel,
+    /// The kernel each op runs with (the linears hold theirs too).
+    kernels: Kernels,
     /// The dtype the weights and activations are in (f32, or f16 on a GPU that has it).
     dtype: DType,
     /// Where the forward pass marks its stages (detached unless a benchmark attaches one).
@@ -241,9 +238,7 @@ impl Qwen2VlVision {
             merger,
             device: device.clone(),
             buffer_limit: DEFAULT_BUFFER_LIMIT,
-            attention_kernel: AttentionKernel::Burn,
-            norm_kernel: NormKernel::Composed,
-            rotary_kernel: RotaryKernel::Fused,
+            kernels: Kernels::default(),
             dtype: DType::F32,
             stages: StageClock::default(),
         })
@@ -290,26 +285,17 @@ impl Qwen2VlVision {
         }
     }
 
-    /// Computes every linear's base product with the kernel `kernel` picks.
-    pub fn set_linear_kernel(&mut self, kernel: LinearChoice) {
+    /// Runs each op with the kernel `kernels` holds for it ([`Kernels::choose`]).
+    pub fn set_kernels(&mut self, kernels: Kernels) {
         for (_, layer) in self.linears_mut() {
-            layer.set_kernel(kernel);
+            layer.set_kernel(kernels.linear);
         }
+        self.kernels = kernels;
     }
 
-    /// Computes attention with `kernel`.
-    pub fn set_attention_kernel(&mut self, kernel: AttentionKernel) {
-        self.attention_kernel = kernel;
-    }
-
-    /// Computes the layer norms with `kernel`.
-    pub fn set_norm_kernel(&mut self, kernel: NormKernel) {
-        self.norm_kernel = kernel;
-    }
-
-    /// Rotates `q` and `k` with `kernel`.
-    pub fn set_rotary_kernel(&mut self, kernel: RotaryKernel) {
-        self.rotary_kernel = kernel;
+    /// The kernels each op runs with.
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
     }
 
     /// Marks the end of each stage of [`Self::forward`] on `clock` (clones of the model share
@@ -433,7 +419,7 @@ impl Qwen2VlVision {
             .flat_map(|&[t, h, w]| std::iter::repeat_n(h * w, t))
             .collect();
         // The fused kernel writes no scores out: it takes the segments of one length together.
-        let fused = self.attention_kernel == AttentionKernel::Fused
+        let fused = self.kernels.attention == AttentionKernel::Fused
             && fused_attention::takes(self.config.head_dim());
         let limit = if fused { u64::MAX } else { self.buffer_limit };
         let pieces = attention::pieces(&segments, self.config.num_heads, limit);
@@ -484,13 +470,13 @@ impl Qwen2VlVision {
             .reshape([rows, 3, heads, hd]);
         let [q_cos, q_sin] = &rotary.q;
         let [k_cos, k_sin] = &rotary.k;
-        let q = rotate_packed(&qkv, 0, q_cos, q_sin, self.rotary_kernel);
-        let k = rotate_packed(&qkv, 1, k_cos, k_sin, self.rotary_kernel);
+        let q = rotate_packed(&qkv, 0, q_cos, q_sin, self.kernels.rotary);
+        let k = rotate_packed(&qkv, 1, k_cos, k_sin, self.kernels.rotary);
         let v = qkv.slice([0..rows, 2..3]).reshape([rows, heads, hd]);
         self.stages.mark(Stage::Rotary);
         let outputs = pieces
             .iter()
-            .map(|&piece| attention::attend(&q, &k, &v, piece, self.attention_kernel))
+            .map(|&piece| attention::attend(&q, &k, &v, piece, self.kernels.attention))
             .collect();
         let attended = Tensor::cat(outputs, 0);
         self.stages.mark(Stage::Attention);
@@ -524,7 +510,7 @@ impl Qwen2VlVision {
 
     /// `norm` on `x`, marked as [`Stage::Norm`].
     fn norm(&self, norm: &LayerNorm, x: Tensor<2>) -> Tensor<2> {
-        let normed = norm.forward(x, self.norm_kernel);
+        let normed = norm.forward(x, self.kernels.norm);
         self.stages.mark(Stage::Norm);
         normed
     }

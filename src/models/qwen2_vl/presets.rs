@@ -3,25 +3,30 @@
 use super::{DEFAULT_ROPE_THETA, VisionConfig};
 
 /// A model shape with random weights: for tests and benchmarks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    strum::Display,
+    strum::IntoStaticStr,
+    strum::EnumString,
+    strum::VariantArray,
+    strum::VariantNames,
+    strum::EnumMessage,
+)]
+#[strum(serialize_all = "kebab-case")]
 pub enum Preset {
     /// The bundled test model's shape: 2 blocks, width 32.
     Tiny,
     /// Qwen2-VL-2B's vision tower and merger: 32 blocks, width 1280, 16 heads, MLP 5120,
     /// merger to 1536.
-    #[value(name = "qwen2-vl-2b")]
+    #[strum(serialize = "qwen2-vl-2b")]
     Qwen2Vl2b,
 }
 
 impl Preset {
-    /// The preset's name as the command line spells it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Tiny => "tiny",
-            Self::Qwen2Vl2b => "qwen2-vl-2b",
-        }
-    }
-
     /// Its vision config.
     pub fn config(self) -> VisionConfig {
         let (depth, embed_dim, num_heads, hidden_size) = match self {

@@ -20,7 +20,8 @@ use gemm::Parallelism;
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use crate::runtime::device::RuntimeDevice;
+use crate::ops::hardware;
+use crate::runtime::device::{DeviceClass, RuntimeDevice};
 use crate::runtime::exp::exp;
 use crate::runtime::flex::{element, strided};
 
@@ -63,10 +64,25 @@ pub trait SdpaBackend: Backend {
 }
 
 /// Which implementation computes attention.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, clap::ValueEnum)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    Default,
+    strum::Display,
+    strum::IntoStaticStr,
+    strum::EnumString,
+    strum::VariantArray,
+    strum::VariantNames,
+    strum::EnumMessage,
+)]
+#[strum(serialize_all = "kebab-case")]
 pub enum AttentionKernel {
-    /// Per device ([`AttentionKernel::resolve`]): `fused` on a hardware GPU, `burn` elsewhere.
-    /// Unresolved, it runs as `burn`.
+    /// Per device ([`AttentionKernel::resolve`]): `fused` on a hardware GPU (once its shader has
+    /// passed its tests on one), `burn` elsewhere. Unresolved, it runs as `burn`.
     #[default]
     Auto,
     /// [`SdpaBackend::attend`]: Burn's ops on the GPU ([`composed`]), mmlora's own pass on the
@@ -81,25 +97,21 @@ impl AttentionKernel {
     /// The two implementations `Auto` picks from.
     pub const BOTH: [AttentionKernel; 2] = [AttentionKernel::Burn, AttentionKernel::Fused];
 
-    /// The name the command line and the bench records use.
-    pub fn name(self) -> &'static str {
-        match self {
-            AttentionKernel::Auto => "auto",
-            AttentionKernel::Burn => "burn",
-            AttentionKernel::Fused => "fused",
-        }
-    }
-
     /// The implementation this choice runs on `device`. `Auto` takes the fused kernel on a
-    /// hardware GPU: there Burn's composition writes every score out, and on the H200 the
-    /// fused kernel ran the 2B tower's attention over 8 images of 448² 2.17× as fast in f32
-    /// and 1.68× in f16. It takes Burn's on a software GPU: on lavapipe the fused kernel ran
-    /// one 448² image's attention 2.8× slower (BENCHMARKS.md).
+    /// hardware GPU, where Burn's composition writes every score out to memory and reads it
+    /// back, once the kernel's shader has passed its tests on one ([`crate::ops::hardware`]).
+    /// It takes Burn's on a software GPU, where the kernel's workgroup barriers cost more than
+    /// the passes they save (both measured in BENCHMARKS.md), and on the CPU, where both are
+    /// mmlora's own pass.
     pub fn resolve(self, device: &RuntimeDevice) -> Self {
-        match self {
-            AttentionKernel::Auto if device.hardware_gpu => AttentionKernel::Fused,
-            AttentionKernel::Auto => AttentionKernel::Burn,
-            chosen => chosen,
+        match (self, device.class()) {
+            (AttentionKernel::Auto, DeviceClass::HardwareGpu)
+                if hardware::checked("attention/attention.wgsl", wgsl::SHADER) =>
+            {
+                AttentionKernel::Fused
+            }
+            (AttentionKernel::Auto, _) => AttentionKernel::Burn,
+            (chosen, _) => chosen,
         }
     }
 }

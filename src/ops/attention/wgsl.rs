@@ -124,10 +124,13 @@ impl AttentionSource {
     }
 }
 
+/// `shaders/attention/attention.wgsl`, the template the kernel fills in.
+pub(crate) const SHADER: &str = include_str!("../../../shaders/attention/attention.wgsl");
+
 impl KernelSource for AttentionSource {
     fn source(&self) -> SourceTemplate {
         let [setup, scores, tile_max, accumulate, store] = unrolled(self.head4);
-        SourceTemplate::new(include_str!("../../../shaders/attention/attention.wgsl"))
+        SourceTemplate::new(SHADER)
             .register("workgroup", WORKGROUP.to_string())
             .register("keys", KEYS.to_string())
             .register("head4", self.head4.to_string())

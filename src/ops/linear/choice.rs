@@ -14,7 +14,7 @@ use burn::tensor::{DType, Tensor};
 
 use super::{LinearKernel, linear};
 use crate::runtime::device::RuntimeDevice;
-use crate::runtime::tuner::{self, Candidate, Reference, Timing, Trial, Tuner};
+use crate::runtime::tuner::{self, Reference, Timing, Trial, Tuner};
 
 /// How a layer's base product picks its kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,12 +36,6 @@ struct ShapeKey {
     out_features: usize,
     bias: bool,
     candidates: &'static [LinearKernel],
-}
-
-impl Candidate for LinearKernel {
-    fn name(self) -> &'static str {
-        LinearKernel::name(self)
-    }
 }
 
 static TUNER: Tuner<ShapeKey, LinearKernel> = Tuner::new("linear kernel");

@@ -52,11 +52,26 @@ use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{DType, Shape, Tensor};
 use std::sync::LazyLock;
 
-use crate::runtime::device::RuntimeDevice;
+use crate::runtime::device::{DeviceClass, RuntimeDevice};
 use crate::runtime::wgsl::Elem;
 
 /// Which kernel computes a linear layer's base product on a wgpu device.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, clap::ValueEnum)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    strum::Display,
+    strum::IntoStaticStr,
+    strum::EnumString,
+    strum::VariantArray,
+    strum::VariantNames,
+    strum::EnumMessage,
+)]
+#[strum(serialize_all = "kebab-case")]
 pub enum LinearKernel {
     /// `wgsl` on a software rasterizer (lavapipe), where it is measured faster; `timed` on a
     /// hardware GPU; `burn` on the CPU.
@@ -146,20 +161,6 @@ pub fn composed<B: Backend>(
 }
 
 impl LinearKernel {
-    /// The name the command line and the bench records use.
-    pub fn name(self) -> &'static str {
-        match self {
-            LinearKernel::Auto => "auto",
-            LinearKernel::Timed => "timed",
-            LinearKernel::Burn => "burn",
-            LinearKernel::Wgsl => "wgsl",
-            LinearKernel::Tiled => "tiled",
-            LinearKernel::Coop => "coop",
-            LinearKernel::CoopWide => "coop-wide",
-            LinearKernel::CoopDirect => "coop-direct",
-        }
-    }
-
     /// The kernels worth comparing on `device` for tensors of `dtype`, the ones `timed` times
     /// (each list holds Burn's, the reference the others are checked against): on a software
     /// GPU ours for it and Burn's; on a hardware GPU Burn's and our tiled one, and in f16 each
@@ -194,14 +195,18 @@ impl LinearKernel {
                     })
                 })
             });
-        let Some(setup) = device.wgpu.as_ref() else {
-            return &[Burn];
+        let tiled = || {
+            let setup = device
+                .wgpu
+                .as_ref()
+                .expect("a GPU device has its wgpu setup");
+            LinearShader::Tiled.runs_on(Capacity::of_wgpu(setup))
         };
-        let tiled = LinearShader::Tiled.runs_on(Capacity::of_wgpu(setup));
-        match (device.hardware_gpu, tiled) {
-            (false, _) => &[Wgsl, Burn],
-            (true, false) => &[Burn],
-            (true, true) => {
+        match device.class() {
+            DeviceClass::Cpu => &[Burn],
+            DeviceClass::SoftwareGpu => &[Wgsl, Burn],
+            DeviceClass::HardwareGpu if !tiled() => &[Burn],
+            DeviceClass::HardwareGpu => {
                 let runs = |kernel: LinearKernel| {
                     dtype == DType::F16 && kernel.coop_subgroup(device).is_some()
                 };
@@ -222,11 +227,11 @@ impl LinearKernel {
     /// The kernel `self` picks on `device`: never `Auto` (`Timed` stays a choice to make per
     /// shape, [`crate::ops::linear::choice::LinearChoice`]).
     pub fn resolve(self, device: &RuntimeDevice) -> Self {
-        match (self, device.wgpu.is_some(), device.hardware_gpu) {
-            (LinearKernel::Auto, false, _) => LinearKernel::Burn,
-            (LinearKernel::Auto, true, false) => LinearKernel::Wgsl,
-            (LinearKernel::Auto, true, true) => LinearKernel::Timed,
-            (chosen, _, _) => chosen,
+        match (self, device.class()) {
+            (LinearKernel::Auto, DeviceClass::Cpu) => LinearKernel::Burn,
+            (LinearKernel::Auto, DeviceClass::SoftwareGpu) => LinearKernel::Wgsl,
+            (LinearKernel::Auto, DeviceClass::HardwareGpu) => LinearKernel::Timed,
+            (chosen, _) => chosen,
         }
     }
 

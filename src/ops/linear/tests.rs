@@ -82,7 +82,7 @@ fn check_repeated(
     repeats: usize,
 ) {
     let ours = Ours {
-        name: kernel.name(),
+        name: kernel.into(),
         // Tensor cores may truncate their f32 sums rather than round them.
         truncating_sums: kernel.coop_tiling().is_some(),
         run: &|x, weight_t, bias| linear(x, weight_t, Some(bias), kernel),

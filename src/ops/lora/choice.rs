@@ -14,7 +14,7 @@ use burn::backend::{Device as _, DeviceId};
 use burn::tensor::{DType, Tensor};
 
 use super::{LoraBatch, LoraSlice, ShrinkKernel, TILE, apply, composed};
-use crate::runtime::tuner::{Candidate, Timing, Trial, Tuner};
+use crate::runtime::tuner::{Timing, Trial, Tuner};
 
 /// What [`ShrinkKernel::Timed`] chooses from; the first runs where nothing is kept.
 pub const CANDIDATES: [ShrinkKernel; 2] = [ShrinkKernel::Split, ShrinkKernel::Wide];
@@ -31,12 +31,6 @@ struct ShapeKey {
     out_total: usize,
     /// `(out_features, offset, rank)` of each slice.
     slices: Vec<(usize, usize, usize)>,
-}
-
-impl Candidate for ShrinkKernel {
-    fn name(self) -> &'static str {
-        ShrinkKernel::name(self)
-    }
 }
 
 static TUNER: Tuner<ShapeKey, ShrinkKernel> = Tuner::new("LoRA shrink");

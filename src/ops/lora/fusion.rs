@@ -18,7 +18,7 @@ use burn::tensor::{DType, Tensor};
 use super::{FusedLinear, composed};
 use crate::ops::linear::LinearShader;
 use crate::ops::linear::choice;
-use crate::runtime::tuner::{self, Candidate, Reference, Timing, Trial, Tuner};
+use crate::runtime::tuner::{self, Reference, Timing, Trial, Tuner};
 
 /// A shape choices are kept for.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -51,21 +51,13 @@ impl ShapeKey {
 }
 
 /// The two ways a layer's op runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
+#[strum(serialize_all = "kebab-case")]
 pub enum Way {
     /// In the linear kernel's store ([`FusedLinear::run`]).
     Fused,
     /// After the product ([`FusedLinear::apart`]).
     Apart,
-}
-
-impl Candidate for Way {
-    fn name(self) -> &'static str {
-        match self {
-            Way::Fused => "fused",
-            Way::Apart => "apart",
-        }
-    }
 }
 
 /// Calls of each way per timed run, back to back between two device syncs.

@@ -39,7 +39,7 @@ use burn::tensor::{DType, Device, Int, Shape, Tensor, TensorData};
 
 use crate::ops::linear::{self, LinearBackend, LinearShader};
 use crate::routing::meta::KernelMeta;
-use crate::runtime::device::RuntimeDevice;
+use crate::runtime::device::{DeviceClass, RuntimeDevice};
 
 /// The largest adapter rank the op accepts (vLLM's largest `max_lora_rank`).
 pub const MAX_RANK: usize = 512;
@@ -52,7 +52,22 @@ const TILE: NonZeroUsize = NonZeroUsize::new(TILE_ROWS).expect("tiles hold rows"
 
 /// Which shader computes the shrink (`x · A[slot]ᵀ`) on a wgpu device; the CPU backend has one
 /// implementation and ignores it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, clap::ValueEnum)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    Hash,
+    strum::Display,
+    strum::IntoStaticStr,
+    strum::EnumString,
+    strum::VariantArray,
+    strum::VariantNames,
+    strum::EnumMessage,
+)]
+#[strum(serialize_all = "kebab-case")]
 pub enum ShrinkKernel {
     /// `registers` on a software rasterizer (lavapipe), where it is measured faster; `timed`
     /// on a hardware GPU (the CPU backend has one shrink of its own).
@@ -76,33 +91,20 @@ pub enum ShrinkKernel {
 }
 
 impl ShrinkKernel {
-    /// The name the command line and the bench records use.
-    pub fn name(self) -> &'static str {
-        match self {
-            ShrinkKernel::Auto => "auto",
-            ShrinkKernel::Timed => "timed",
-            ShrinkKernel::Split => "split",
-            ShrinkKernel::Wide => "wide",
-            ShrinkKernel::Registers => "registers",
-        }
-    }
-
     /// The kernel `self` picks on `device`: never `Auto`; `split` on the CPU backend, which
     /// has one shrink of its own. On a hardware GPU `auto` times `split` and `wide` once their
     /// shader has passed its tests on one, and until then takes `registers`, which has.
     pub fn resolve(self, device: &RuntimeDevice) -> Self {
-        match self {
-            ShrinkKernel::Auto if device.wgpu.is_some() && !device.hardware_gpu => {
-                ShrinkKernel::Registers
-            }
-            ShrinkKernel::Auto | ShrinkKernel::Timed if device.wgpu.is_none() => {
-                ShrinkKernel::Split
-            }
-            ShrinkKernel::Auto if choice::CANDIDATES.iter().all(|k| k.hardware_checked()) => {
+        match (self, device.class()) {
+            (ShrinkKernel::Auto | ShrinkKernel::Timed, DeviceClass::Cpu) => ShrinkKernel::Split,
+            (ShrinkKernel::Auto, DeviceClass::SoftwareGpu) => ShrinkKernel::Registers,
+            (ShrinkKernel::Auto, DeviceClass::HardwareGpu)
+                if choice::CANDIDATES.iter().all(|k| k.hardware_checked()) =>
+            {
                 ShrinkKernel::Timed
             }
-            ShrinkKernel::Auto => ShrinkKernel::Registers,
-            chosen => chosen,
+            (ShrinkKernel::Auto, DeviceClass::HardwareGpu) => ShrinkKernel::Registers,
+            (chosen, _) => chosen,
         }
     }
 
@@ -113,6 +115,29 @@ impl ShrinkKernel {
             ShrinkKernel::Auto | ShrinkKernel::Timed => false,
             // Both vec4 and scalar forms are one file each.
             shrink => wgsl::LoraShader::shrink(shrink, 4).hardware_checked(),
+        }
+    }
+}
+
+/// The LoRA shaders a batch runs on its device: a shrink pin resolved there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoraKernels {
+    /// The shrink (never `Auto`; `Timed` picks one per shape).
+    pub shrink: ShrinkKernel,
+    /// Whether the expand may take its `vec4` shader where the widths allow: not under `auto`
+    /// on a hardware GPU until that shader has passed its tests on one.
+    pub expand_vec4: bool,
+}
+
+impl LoraKernels {
+    /// What the shrink pin `shrink` runs on `device`. A pin other than `auto` opts into every
+    /// shader, the `vec4` expand included.
+    pub fn for_device(shrink: ShrinkKernel, device: &RuntimeDevice) -> Self {
+        Self {
+            shrink: shrink.resolve(device),
+            expand_vec4: device.class() != DeviceClass::HardwareGpu
+                || shrink != ShrinkKernel::Auto
+                || wgsl::LoraShader::ExpandVec4.hardware_checked(),
         }
     }
 }
@@ -193,6 +218,11 @@ impl LoraBatch {
 
     /// Uploads `meta` to `device`, for the shrink kernel `shrink` picks there.
     pub fn with_shrink(meta: KernelMeta, device: &RuntimeDevice, shrink: ShrinkKernel) -> Self {
+        Self::with_kernels(meta, device, LoraKernels::for_device(shrink, device))
+    }
+
+    /// Uploads `meta` to `device`, for `kernels`.
+    pub fn with_kernels(meta: KernelMeta, device: &RuntimeDevice, kernels: LoraKernels) -> Self {
         let sorted: Vec<i32> = meta.sorted_tokens().iter().map(|&r| r as i32).collect();
         let tiles: Vec<i32> = meta
             .tiles(TILE)
@@ -208,10 +238,8 @@ impl LoraBatch {
             row_slots: upload(meta.token_slots().to_vec()),
             plan: LoraPlan {
                 meta: Arc::new(meta),
-                shrink: shrink.resolve(device),
-                expand_vec4: !device.hardware_gpu
-                    || shrink != ShrinkKernel::Auto
-                    || wgsl::LoraShader::ExpandVec4.hardware_checked(),
+                shrink: kernels.shrink,
+                expand_vec4: kernels.expand_vec4,
             },
         }
     }

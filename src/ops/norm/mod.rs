@@ -15,7 +15,7 @@ use burn::backend::{
 use burn::tensor::{DType, FloatDType, Tensor};
 
 use crate::ops::hardware;
-use crate::runtime::device::RuntimeDevice;
+use crate::runtime::device::{DeviceClass, RuntimeDevice};
 
 /// Which implementation runs a layer norm on the wgpu backend (the CPU backend has one).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -33,7 +33,9 @@ impl NormKernel {
     /// The implementation for `device`: the kernel on a hardware GPU once it has passed its
     /// tests on one ([`crate::ops::hardware`]), else Burn's ops.
     pub fn for_device(device: &RuntimeDevice) -> Self {
-        if device.hardware_gpu && hardware::elem_shader_checked("norm", wgsl::SHADER) {
+        if device.class() == DeviceClass::HardwareGpu
+            && hardware::elem_shader_checked("norm", wgsl::SHADER)
+        {
             NormKernel::Fused
         } else {
             NormKernel::Composed

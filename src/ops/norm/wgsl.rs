@@ -87,6 +87,7 @@ mod tests {
     use super::*;
     use crate::models::qwen2_vl::Preset;
     use crate::models::qwen2_vl::Qwen2VlVision;
+    use crate::ops::kernels::Kernels;
     use crate::ops::lora::LoraBatch;
     use crate::ops::norm::NormKernel;
     use crate::ops::norm::tests::check;
@@ -130,7 +131,10 @@ mod tests {
             )
         };
         let mut run = |kernel| {
-            model.set_norm_kernel(kernel);
+            model.set_kernels(Kernels {
+                norm: kernel,
+                ..model.kernels()
+            });
             let out = model
                 .forward(x.clone(), &grids, &none(rows), &none(rows / 4))
                 .unwrap();

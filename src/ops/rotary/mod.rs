@@ -24,7 +24,7 @@ use burn::tensor::{DType, FloatDType, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::ops::hardware;
-use crate::runtime::device::RuntimeDevice;
+use crate::runtime::device::{DeviceClass, RuntimeDevice};
 use crate::runtime::flex::{dense, values, values_mut};
 
 /// Rows per rayon task: tens of KiB of the 2B tower's `q`, enough to hide the task's overhead.
@@ -130,7 +130,9 @@ impl RotaryKernel {
     /// The implementation for `device`: the backend's own, but on a hardware GPU the kernel
     /// only once it has passed its tests on one ([`crate::ops::hardware`]).
     pub fn for_device(device: &RuntimeDevice) -> Self {
-        if device.hardware_gpu && !hardware::elem_shader_checked("rotary", wgsl::SHADER) {
+        if device.class() == DeviceClass::HardwareGpu
+            && !hardware::elem_shader_checked("rotary", wgsl::SHADER)
+        {
             RotaryKernel::Composed
         } else {
             RotaryKernel::Fused
