@@ -64,12 +64,14 @@ fn encode_while_swapping(on: &RuntimeDevice, rounds: usize, rel_tol: f64) {
     let (served, unknown) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     // How many batches served each content of `swap`.
     let by_content = Arc::new(CONTENTS.map(|_| AtomicUsize::new(0)));
-    // Swaps made so far: a worker starts round r only after r + 1 of them, so the swapper
-    // keeps pace however the lock is handed out.
-    let swapped = Arc::new(AtomicUsize::new(0));
+    // Batches finished, served or refused. After each swap the swapper waits for more of them
+    // than there are workers: one worker has then finished two, the second begun after the
+    // swap, so every content is seen by some batch, however the lock is handed out.
+    let finished = Arc::new(AtomicUsize::new(0));
+    const WORKERS: usize = 4;
     std::thread::scope(|scope| {
         let swapper = {
-            let (shared, done, swapped) = (shared.clone(), done.clone(), swapped.clone());
+            let (shared, done, finished) = (shared.clone(), done.clone(), finished.clone());
             scope.spawn(move || {
                 let mut swaps = 0;
                 while !done.load(Ordering::Relaxed) {
@@ -81,21 +83,21 @@ fn encode_while_swapping(on: &RuntimeDevice, rounds: usize, rel_tol: f64) {
                             .load_adapter("swap", &adapter_dir(CONTENTS[swaps % 2]))
                             .unwrap();
                     }
-                    swapped.store(swaps, Ordering::Relaxed);
+                    let after = finished.load(Ordering::SeqCst) + WORKERS + 1;
+                    while !done.load(Ordering::Relaxed) && finished.load(Ordering::SeqCst) < after {
+                        std::thread::yield_now();
+                    }
                 }
                 swaps
             })
         };
-        let workers: Vec<_> = (0..4)
+        let workers: Vec<_> = (0..WORKERS)
             .map(|t| {
                 let (shared, expected) = (shared.clone(), &expected);
                 let (served, unknown) = (served.clone(), unknown.clone());
-                let (by_content, swapped) = (by_content.clone(), swapped.clone());
+                let (by_content, finished) = (by_content.clone(), finished.clone());
                 scope.spawn(move || {
                     for round in 0..rounds {
-                        while swapped.load(Ordering::Relaxed) <= round {
-                            std::thread::yield_now();
-                        }
                         let image = images[(t + round) % 2];
                         let batch = [
                             request("swap", image, Some("swap")),
@@ -108,6 +110,7 @@ fn encode_while_swapping(on: &RuntimeDevice, rounds: usize, rel_tol: f64) {
                                 if adapter == "swap" =>
                             {
                                 unknown.fetch_add(1, Ordering::Relaxed);
+                                finished.fetch_add(1, Ordering::SeqCst);
                                 continue;
                             }
                             Err(other) => panic!("thread {t} round {round}: {other}"),
@@ -124,6 +127,7 @@ fn encode_while_swapping(on: &RuntimeDevice, rounds: usize, rel_tol: f64) {
                         assert!(close(&results[1].embeds.values, Some("tower-r2")));
                         assert!(close(&results[2].embeds.values, None));
                         served.fetch_add(1, Ordering::Relaxed);
+                        finished.fetch_add(1, Ordering::SeqCst);
                     }
                 })
             })
