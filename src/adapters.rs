@@ -22,7 +22,7 @@ use safetensors::SafeTensors;
 use serde::Deserialize;
 
 use crate::models::checkpoint::{float_values, safetensors_failure};
-use crate::models::qwen2_vl::{LoraTarget, Qwen2VlVision};
+use crate::models::tower::{LoraTarget, VisionTower};
 use crate::ops::lora::LoraSlice;
 
 /// `target_modules`: a list of module-name suffixes or one regex.
@@ -756,7 +756,7 @@ fn read_f32<const D: usize>(
 /// Stacks the adapters in `slots` (slot `i` holds `slots[i]`, or nothing) into every target
 /// linear of `model`. A layer no slotted adapter covers gets no LoRA at all; smaller ranks are
 /// zero-padded to the largest rank among the adapters covering the layer.
-pub fn install(model: &mut Qwen2VlVision, slots: &[Option<&PeftAdapter>], device: &Device) {
+pub fn install(model: &mut dyn VisionTower, slots: &[Option<&PeftAdapter>], device: &Device) {
     for target in model.lora_targets() {
         let covering: Vec<(usize, &ModuleLora)> = slots
             .iter()

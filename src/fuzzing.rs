@@ -11,7 +11,8 @@ use arbitrary::{Result, Unstructured};
 
 use crate::adapters::{AdapterConfig, PeftAdapter};
 use crate::engine::batch::{Batch, BatchError};
-use crate::models::qwen2_vl::{LoraTarget, VisionConfig};
+use crate::models::LoraTarget;
+use crate::models::qwen2_vl::VisionConfig;
 use crate::routing::mapping::{
     AdapterId, AdapterRequest, EncoderCache, LoraState, MmFeature, Modality, NO_ADAPTER,
     PlaceholderRange, SpatialMergeCounts, set_active_mm_loras,

@@ -13,10 +13,12 @@
 //! - [`models`]: checkpoints and the vision towers built from those layers.
 //! - [`adapters`]: PEFT adapters, checked against a model and installed in its slots.
 //! - [`engine`]: requests in, embeddings out, one step at a time.
-//! - [`bench`](mod@bench): the measurements of `mmlora bench`; `fuzzing` (feature `testkit`): the fuzz
-//!   targets' entry points, which the tests replay.
+//! - `bench` (feature `bench`, on with the default `cli`): the measurements of `mmlora bench`
+//!   and `benches/`; `fuzzing` (feature `testkit`): the fuzz targets' entry points, which the
+//!   tests replay.
 
 pub mod adapters;
+#[cfg(feature = "bench")]
 pub mod bench;
 pub mod engine;
 pub mod files;

@@ -807,7 +807,7 @@ fn options_that_cannot_work_are_refused() {
     let model = Engine::open(&fixture_dir(), device::cpu(), EngineOptions::default())
         .unwrap()
         .model()
-        .clone();
+        .boxed_clone();
     let processor = PreprocessConfig {
         min_pixels: 0,
         ..PreprocessConfig::default()

@@ -8,6 +8,7 @@ mod common;
 use burn::tensor::{Distribution, Tensor};
 use common::{errors, fixture_dir, fixture_requests};
 use mmlora::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
+use mmlora::models::VisionTower;
 use mmlora::models::qwen2_vl::Preset;
 use mmlora::models::qwen2_vl::Qwen2VlVision;
 use mmlora::ops::attention::AttentionKernel;

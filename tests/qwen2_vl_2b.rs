@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use burn::tensor::{Distribution, Tensor};
 use common::{OwnedTensor, write_safetensors};
+use mmlora::models::VisionTower;
 use mmlora::models::qwen2_vl::Qwen2VlVision;
 use mmlora::ops::lora::LoraBatch;
 use mmlora::routing::meta::{KernelMeta, NO_SLOT};

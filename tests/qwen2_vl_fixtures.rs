@@ -6,7 +6,8 @@ mod common;
 
 use burn::tensor::{Tensor, TensorData};
 use common::{Expected, errors, fixture_dir, requests};
-use mmlora::models::qwen2_vl::{ModelError, Qwen2VlVision};
+use mmlora::models::qwen2_vl::Qwen2VlVision;
+use mmlora::models::{ModelError, VisionTower};
 use mmlora::ops::lora::LoraBatch;
 use mmlora::routing::meta::{KernelMeta, NO_SLOT};
 use mmlora::runtime::device::{self, RuntimeDevice};

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use mmlora::adapters::PeftAdapter;
 use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request};
-use mmlora::models::qwen2_vl::LoraTarget;
+use mmlora::models::LoraTarget;
 use mmlora::runtime::device::{self, RuntimeDevice};
 
 use crate::analysis::{self, RunResult};
@@ -262,7 +262,7 @@ impl Worker {
         }
         let engine = self.engine(on)?;
         let device = engine.device().description.clone();
-        let merge = engine.model().config().spatial_merge_size;
+        let merge = engine.model().layout().spatial_merge_size;
         let started = Instant::now();
         let encoded = match engine.encode(&requests, true) {
             Ok(encoded) => encoded,

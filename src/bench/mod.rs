@@ -9,7 +9,6 @@
 //! rounds' ratios (the base's call and its call in the same round).
 
 pub mod op;
-pub mod plot;
 pub mod scale;
 pub mod stages;
 
@@ -21,7 +20,8 @@ use serde::Serialize;
 
 use crate::adapters::{ModuleLora, PeftAdapter};
 use crate::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
-use crate::models::qwen2_vl::{LoraTarget, Preset, Qwen2VlVision, VisionConfig};
+use crate::models::qwen2_vl::{Preset, Qwen2VlVision, VisionConfig};
+use crate::models::{LoraTarget, VisionTower};
 use crate::ops::attention::AttentionKernel;
 use crate::ops::kernels::KernelPins;
 use crate::ops::linear::LinearKernel;
@@ -363,7 +363,7 @@ fn engine_with_adapters(
         kernels: pins,
     };
     let mut engine = Engine::with_model(
-        model.clone(),
+        Box::new(model.clone()),
         PreprocessConfig::default(),
         device.clone(),
         options,

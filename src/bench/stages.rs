@@ -16,6 +16,7 @@ use super::{
     BenchSpec, RunSetup, engine_with_adapters, in_turns, median, mixed_batch, random_images,
 };
 use crate::engine::{EngineError, ImageSource, Request};
+use crate::models::VisionTower;
 use crate::models::qwen2_vl::{Qwen2VlVision, VisionConfig};
 use crate::runtime::device::RuntimeDevice;
 use crate::runtime::stages::{Stage, StageClock, StageTime};

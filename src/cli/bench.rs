@@ -198,7 +198,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
     // keeps what it printed; a reader that stops reading early (`| head`) ends the process on
     // its next line.
     if let Some(path) = &args.plot {
-        bench::plot::throughput_png(&records, path)?;
+        super::plot::throughput_png(&records, path)?;
         eprintln!("plot: {}", path.display());
     }
     if args.json {

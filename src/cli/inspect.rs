@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 use mmlora::adapters::{AdapterConfig, AdapterError, PeftAdapter, TargetModules};
 use mmlora::engine::EngineOptions;
-use mmlora::models::qwen2_vl::{LoraTarget, VisionConfig};
+use mmlora::models::LoraTarget;
+use mmlora::models::qwen2_vl::VisionConfig;
 
 use super::{CliError, model_dir};
 

@@ -8,16 +8,18 @@ pub mod devices;
 pub mod encode;
 pub mod inspect;
 mod output;
+pub mod plot;
 pub mod preprocess;
 pub mod progress;
 
 use std::path::PathBuf;
 
+use plot::PlotError;
+
 use mmlora::adapters::AdapterError;
-use mmlora::bench::plot::PlotError;
 use mmlora::engine::EngineError;
 use mmlora::engine::batch::BatchError;
-use mmlora::models::qwen2_vl::ConfigError;
+use mmlora::models::ConfigError;
 use mmlora::ops::kernels::KernelError;
 use mmlora::preprocess::PreprocessError;
 use mmlora::runtime::device::DeviceError;

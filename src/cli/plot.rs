@@ -6,7 +6,7 @@ use std::path::Path;
 use plotters::prelude::*;
 use plotters::style::{FontStyle, register_font};
 
-use super::BenchRecord;
+use mmlora::bench::BenchRecord;
 
 /// Width and height of the picture in pixels.
 const SIZE: (u32, u32) = (960, 600);
@@ -150,7 +150,7 @@ pub fn throughput_png(records: &[BenchRecord], path: &Path) -> Result<(), PlotEr
     }
     let image = image::RgbImage::from_raw(SIZE.0, SIZE.1, pixels)
         .expect("the buffer has the picture's size");
-    crate::files::write_whole(path, |file| {
+    mmlora::files::write_whole(path, |file| {
         image
             .write_to(file, image::ImageFormat::Png)
             .map_err(std::io::Error::other)

@@ -26,7 +26,7 @@ use image::RgbImage;
 
 use crate::adapters::registry::{AdapterKey, AdapterRegistry};
 use crate::adapters::{AdapterError, PeftAdapter, install};
-use crate::models::qwen2_vl::{ModelError, Qwen2VlVision, VisionConfig};
+use crate::models::{self, ModelError, PatchLayout, VisionTower};
 use crate::ops::kernels::{KernelError, KernelPins, Kernels};
 use crate::ops::lora::{LoraBatch, MAX_RANK};
 use crate::preprocess::{Patches, PreprocessConfig, PreprocessError, load_image, preprocess};
@@ -249,7 +249,7 @@ pub enum EngineError {
 /// A model on a device, the adapters loaded for it, and the adapters stacked in its slots.
 #[derive(Debug)]
 pub struct Engine {
-    model: Qwen2VlVision,
+    model: Box<dyn VisionTower>,
     preprocess: PreprocessConfig,
     device: RuntimeDevice,
     options: EngineOptions,
@@ -280,8 +280,8 @@ impl Engine {
         let started = Instant::now();
         let preprocess =
             PreprocessConfig::from_model_dir(model_dir).map_err(EngineError::Preprocess)?;
-        let model = Qwen2VlVision::load(model_dir, &device.device)?;
-        if let Err(reason) = check_consistent(&preprocess, model.config()) {
+        let model = models::load(model_dir, &device.device)?;
+        if let Err(reason) = check_consistent(&preprocess, model.layout()) {
             return Err(EngineError::Inconsistent {
                 // Where the processor's settings came from; the folder where they are defaults.
                 path: PreprocessConfig::file_in(model_dir).unwrap_or_else(|| model_dir.to_owned()),
@@ -320,22 +320,23 @@ impl Engine {
         Ok(engine)
     }
 
-    /// An engine around a model already on `device` (e.g. [`Qwen2VlVision::random`]).
+    /// An engine around a model already on `device` (e.g.
+    /// [`Qwen2VlVision::random`](crate::models::qwen2_vl::Qwen2VlVision::random)).
     pub fn with_model(
-        mut model: Qwen2VlVision,
+        mut model: Box<dyn VisionTower>,
         preprocess: PreprocessConfig,
         device: RuntimeDevice,
         options: EngineOptions,
     ) -> Result<Self, EngineError> {
         check_options(&options, &device)?;
-        check_consistent(&preprocess, model.config())
+        check_consistent(&preprocess, model.layout())
             .map_err(|reason| EngineError::Options(format!("the image processor: {reason}")))?;
-        check_stacks_fit(&model, &options, &device)?;
+        check_stacks_fit(model.as_ref(), &options, &device)?;
         if let Some(limit) = device.buffer_limit {
             model.set_buffer_limit(limit.min(model.buffer_limit()));
         }
         if options.precision == Precision::F16 {
-            check_fits_f16(&model)?;
+            check_fits_f16(model.as_ref())?;
         }
         let pins = options.kernels.or(KernelPins::from_env()?);
         let kernels = Kernels::choose(pins, &device, options.precision)?;
@@ -362,8 +363,8 @@ impl Engine {
     }
 
     /// The model.
-    pub fn model(&self) -> &Qwen2VlVision {
-        &self.model
+    pub fn model(&self) -> &dyn VisionTower {
+        self.model.as_ref()
     }
 
     /// The image processor's settings (from the model folder).
@@ -476,7 +477,7 @@ impl Engine {
         self.check_adapters(requests)?;
         let patches = requests
             .iter()
-            .map(|request| request_patches(request, &self.preprocess, self.model.config()))
+            .map(|request| request_patches(request, &self.preprocess, self.model.layout()))
             .collect::<Result<Vec<_>, _>>()?;
         self.encode_patches(requests, &patches, with_tower)
     }
@@ -574,7 +575,7 @@ impl Engine {
             .iter()
             .flat_map(|&i| patches[i].pixel_values.iter().copied())
             .collect();
-        let rows = pixels.len() / self.model.config().patch_len();
+        let rows = pixels.len() / self.model.layout().patch_len();
         let (embeds, tower) = self.run_keeping_slots(&activation, pixels, &grids, with_tower)?;
         let step_time = started.elapsed();
         tracing::debug!(
@@ -607,7 +608,7 @@ impl Engine {
                 .iter()
                 .filter_map(|&i| requests[i].adapter.as_deref()),
         )?;
-        let merge = self.model.config().spatial_merge_size;
+        let merge = self.model.layout().spatial_merge_size;
         let mut cache = EncoderCache::default();
         let mut state = LoraState::new(members.len());
         let mut batch_index = HashMap::new();
@@ -682,7 +683,7 @@ impl Engine {
         requests: &[Request],
         patches: &[Patches],
     ) -> Result<Vec<Encoded>, EngineError> {
-        let merge = self.model.config().spatial_merge_size;
+        let merge = self.model.layout().spatial_merge_size;
         let StepOutputs {
             step,
             step_time,
@@ -759,9 +760,9 @@ impl Engine {
         with_tower: bool,
     ) -> Result<(HostTensor, Option<HostTensor>), EngineError> {
         let on = &self.device.device;
-        let rows = pixels.len() / self.model.config().patch_len();
+        let rows = pixels.len() / self.model.layout().patch_len();
         let pixels = Tensor::<2>::from_data(
-            TensorData::new(pixels, [rows, self.model.config().patch_len()]),
+            TensorData::new(pixels, [rows, self.model.layout().patch_len()]),
             on,
         );
         let output = self.model.forward(
@@ -906,7 +907,7 @@ impl Engine {
                 adapters[..taken].iter().map(|a| a.as_deref()).collect();
             self.stacked = None;
             guarded(|| {
-                install(&mut self.model, &slotted, &self.device.device);
+                install(self.model.as_mut(), &slotted, &self.device.device);
                 Ok(())
             })?;
             tracing::debug!(slots = ?current, "adapters restacked");
@@ -946,7 +947,7 @@ fn check_ids(requests: &[Request]) -> Result<(), EngineError> {
 fn request_patches(
     request: &Request,
     preprocess_config: &PreprocessConfig,
-    config: &VisionConfig,
+    layout: PatchLayout,
 ) -> Result<Patches, EngineError> {
     let image_error = |source| EngineError::Image {
         request: request.id.clone(),
@@ -961,18 +962,18 @@ fn request_patches(
         ImageSource::Patches(patches) => patches.clone(),
     };
     let [t, h, w] = patches.grid_thw;
-    let m = config.spatial_merge_size;
+    let m = layout.spatial_merge_size;
     let reason = if t == 0 || h == 0 || w == 0 || h % m != 0 || w % m != 0 {
         Some(format!(
             "grid {:?} is empty or not a multiple of the merge size {m}",
             patches.grid_thw
         ))
-    } else if patches.pixel_values.len() != patches.rows().saturating_mul(config.patch_len()) {
+    } else if patches.pixel_values.len() != patches.rows().saturating_mul(layout.patch_len()) {
         Some(format!(
             "{} pixel values do not make {} rows of {}",
             patches.pixel_values.len(),
             patches.rows(),
-            config.patch_len()
+            layout.patch_len()
         ))
     } else {
         None
@@ -988,7 +989,7 @@ fn request_patches(
 
 /// Refuses a model with a weight f16 cannot hold (one read-back of every weight's largest
 /// magnitude).
-fn check_fits_f16(model: &Qwen2VlVision) -> Result<(), EngineError> {
+fn check_fits_f16(model: &dyn VisionTower) -> Result<(), EngineError> {
     let (names, largest) = model.cast_magnitudes();
     let largest = largest
         .try_into_vec_as::<f32>()
@@ -1041,7 +1042,7 @@ fn panic_message(panic: &(dyn Any + Send)) -> String {
 /// not fit one buffer of the device: whatever adapters then fill the slots, their stacks bind.
 /// vLLM likewise allocates `max_loras × max_lora_rank` at start.
 fn check_stacks_fit(
-    model: &Qwen2VlVision,
+    model: &dyn VisionTower,
     options: &EngineOptions,
     device: &RuntimeDevice,
 ) -> Result<(), EngineError> {
@@ -1073,21 +1074,21 @@ fn check_stacks_fit(
 
 /// Whether the image processor's settings can run and cut patches the way the model reads
 /// them.
-fn check_consistent(preprocess: &PreprocessConfig, config: &VisionConfig) -> Result<(), String> {
+fn check_consistent(preprocess: &PreprocessConfig, layout: PatchLayout) -> Result<(), String> {
     if let Some((key, reason)) = preprocess.unusable_setting() {
         return Err(format!("`{key}` {reason}"));
     }
     let fields = [
-        ("patch_size", preprocess.patch_size, config.patch_size),
+        ("patch_size", preprocess.patch_size, layout.patch_size),
         (
             "temporal_patch_size",
             preprocess.temporal_patch_size,
-            config.temporal_patch_size,
+            layout.temporal_patch_size,
         ),
         (
             "merge_size",
             preprocess.merge_size,
-            config.spatial_merge_size,
+            layout.spatial_merge_size,
         ),
     ];
     match fields

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{Encoded, Engine, EngineError, Request, check_ids, request_patches};
 use crate::adapters::PeftAdapter;
-use crate::models::qwen2_vl::{LoraTarget, VisionConfig};
+use crate::models::{LoraTarget, PatchLayout};
 use crate::preprocess::PreprocessConfig;
 use crate::runtime::device::RuntimeDevice;
 
@@ -27,7 +27,7 @@ struct Inner {
     engine: Mutex<Engine>,
     /// What file work needs, copied out so it runs without the lock.
     preprocess: PreprocessConfig,
-    vision: VisionConfig,
+    layout: PatchLayout,
     targets: Vec<LoraTarget>,
     max_rank: usize,
 }
@@ -38,7 +38,7 @@ impl SharedEngine {
         Self {
             inner: Arc::new(Inner {
                 preprocess: engine.preprocess_config().clone(),
-                vision: engine.model().config().clone(),
+                layout: engine.model().layout(),
                 targets: engine.model().lora_targets(),
                 max_rank: engine.options().max_rank,
                 engine: Mutex::new(engine),
@@ -78,7 +78,7 @@ impl SharedEngine {
         check_ids(requests)?;
         let patches = requests
             .iter()
-            .map(|request| request_patches(request, &self.inner.preprocess, &self.inner.vision))
+            .map(|request| request_patches(request, &self.inner.preprocess, self.inner.layout))
             .collect::<Result<Vec<_>, _>>()?;
         let mut engine = self.lock()?;
         engine.check_adapters(requests)?;
@@ -98,8 +98,9 @@ impl SharedEngine {
     /// any clone runs on it. After a panic, the adapters are those registered when it struck
     /// (a panic inside a registry change, which no input causes, could leave that change
     /// half made). On an error the handle keeps the engine it had. The folder must
-    /// still hold the same model: one whose vision or image-processor config changed is
-    /// refused, since the handle decodes images and checks adapters against the old ones.
+    /// still hold a model this handle's copies fit: one whose patch layout, LoRA targets or
+    /// image-processor config changed is refused, since the handle decodes images and checks
+    /// adapters against the old ones.
     pub fn rebuild(&self, device: RuntimeDevice) -> Result<(), EngineError> {
         // A poisoned engine is replaced; its options, model folder and adapters carry over.
         let mut engine = self
@@ -108,7 +109,8 @@ impl SharedEngine {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let rebuilt = engine.rebuild(device)?;
-        if rebuilt.model().config() != &self.inner.vision
+        if rebuilt.model().layout() != self.inner.layout
+            || rebuilt.model().lora_targets() != self.inner.targets
             || rebuilt.preprocess_config() != &self.inner.preprocess
         {
             return Err(EngineError::Options(

@@ -1,8 +1,11 @@
 //! The vision part of a Qwen2-VL `config.json`.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use serde::Deserialize;
+
+use crate::models::error::ConfigError;
+use crate::models::tower::{LoraTarget, PatchLayout};
 
 /// The vision tower's shape (`vision_config`).
 #[derive(Debug, Clone, PartialEq)]
@@ -33,29 +36,6 @@ pub struct VisionConfig {
 
 /// transformers' rotary base when a config gives none.
 pub const DEFAULT_ROPE_THETA: f32 = 10_000.0;
-
-/// A LoRA target linear: its module path (as in PEFT keys after `visual.`) and shape.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LoraTarget {
-    /// e.g. `blocks.3.attn.qkv` or `merger.mlp.0`.
-    pub path: String,
-    /// Input width.
-    pub in_features: usize,
-    /// Output width.
-    pub out_features: usize,
-    /// Whether the CONNECTOR mapping feeds it (else the TOWER mapping).
-    pub connector: bool,
-}
-
-impl LoraTarget {
-    /// The kind of layer at `path`, without the block index: `blocks.3.attn.qkv` → `attn.qkv`;
-    /// merger paths stay whole (`merger.mlp.0`).
-    pub fn kind(path: &str) -> &str {
-        path.strip_prefix("blocks.")
-            .and_then(|rest| rest.split_once('.'))
-            .map_or(path, |(_, kind)| kind)
-    }
-}
 
 /// `vision_config` as written on the hub (`in_chans`, `spatial_patch_size`) or by transformers
 /// (`in_channels`, `patch_size`); hub files carry both patch spellings.
@@ -148,27 +128,6 @@ struct ConfigFile {
     top: serde_json::Map<String, serde_json::Value>,
 }
 
-/// Errors reading `config.json`.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read {path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The file is not the config of a supported model.
-    #[error("{path}: {reason}")]
-    Invalid {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        reason: String,
-    },
-}
-
 impl VisionConfig {
     /// Reads `dir/config.json`.
     pub fn from_model_dir(dir: &Path) -> Result<Self, ConfigError> {
@@ -257,9 +216,19 @@ impl VisionConfig {
         self.embed_dim / self.num_heads
     }
 
+    /// How the tower cuts and merges patches.
+    pub fn layout(&self) -> PatchLayout {
+        PatchLayout {
+            in_channels: self.in_channels,
+            patch_size: self.patch_size,
+            temporal_patch_size: self.temporal_patch_size,
+            spatial_merge_size: self.spatial_merge_size,
+        }
+    }
+
     /// Values per patch row.
     pub fn patch_len(&self) -> usize {
-        self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+        self.layout().patch_len()
     }
 
     /// Every LoRA target linear of a model of this shape, in a fixed order: each block's

@@ -11,18 +11,20 @@ use std::path::Path;
 
 use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
 
-use crate::models::checkpoint::{Checkpoint, CheckpointError};
+use crate::models::checkpoint::Checkpoint;
+use crate::models::error::ModelError;
+use crate::models::tower::{LoraTarget, PatchLayout, VisionOutput, VisionTower};
 use crate::nn::LoraLinear;
 use crate::ops::activation::{gelu_in_f32, quick_gelu};
 use crate::ops::attention::AttentionKernel;
 use crate::ops::attention::wgsl as fused_attention;
 use crate::ops::kernels::Kernels;
-use crate::ops::lora::{LoraBatch, LoraOpError};
+use crate::ops::lora::LoraBatch;
 use crate::ops::norm::{self, NormKernel};
 use crate::ops::rotary::rotate_packed;
 use crate::preprocess::grid_rows;
 use crate::runtime::stages::{Stage, StageClock};
-pub use config::{ConfigError, DEFAULT_ROPE_THETA, LoraTarget, VisionConfig};
+pub use config::{DEFAULT_ROPE_THETA, VisionConfig};
 pub use presets::Preset;
 
 /// LayerNorm epsilon of every norm in the tower and merger.
@@ -31,23 +33,6 @@ const LAYER_NORM_EPS: f64 = 1e-6;
 /// The largest buffer (in bytes) one operation makes unless told otherwise: it bounds the
 /// attention scores of large images, on the CPU backend too.
 pub const DEFAULT_BUFFER_LIMIT: u64 = 256 << 20;
-
-/// Errors loading or running the model.
-#[derive(Debug, thiserror::Error)]
-pub enum ModelError {
-    /// `config.json` is unreadable or unsupported.
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// The weights are unreadable, missing or mis-shaped.
-    #[error(transparent)]
-    Checkpoint(#[from] CheckpointError),
-    /// The LoRA op refused its inputs.
-    #[error(transparent)]
-    Lora(#[from] LoraOpError),
-    /// The pixel values do not match the grids.
-    #[error("{0}")]
-    Input(String),
-}
 
 /// A layer norm's affine parameters, kept in f32 whatever the model computes in.
 #[derive(Debug, Clone)]
@@ -112,15 +97,6 @@ impl Merger {
     fn linears_mut(&mut self) -> [&mut LoraLinear; 2] {
         [&mut self.mlp0, &mut self.mlp2]
     }
-}
-
-/// The tower's and the connector's outputs for a batch.
-#[derive(Debug, Clone)]
-pub struct VisionOutput {
-    /// `[tower rows, embed_dim]`: the last block's output.
-    pub tower: Tensor<2>,
-    /// `[tower rows / merge², hidden_size]`: the connector's output.
-    pub embeds: Tensor<2>,
 }
 
 /// Qwen2-VL's vision tower and connector.
@@ -244,19 +220,6 @@ impl Qwen2VlVision {
         })
     }
 
-    /// The checkpoint name of every tensor [`Self::cast`] casts (the linears' weights and
-    /// biases, the patch embedding), and beside them on the device their largest magnitudes
-    /// (so a check of them all reads back once).
-    pub fn cast_magnitudes(&self) -> (Vec<String>, Tensor<1>) {
-        let mut names = vec!["patch_embed.proj.weight".to_owned()];
-        let mut largest = vec![self.patch_embed_t.clone().abs().max()];
-        for (path, linear) in self.linears() {
-            names.extend([format!("{path}.weight"), format!("{path}.bias")]);
-            largest.push(linear.largest_magnitudes());
-        }
-        (names, Tensor::cat(largest, 0))
-    }
-
     /// The model computing in `dtype` (`F32` or `F16`): the linears' weights cast once; norms
     /// (their parameters stay f32) and softmax still run in f32, and the outputs come back as f32.
     pub fn cast(self, dtype: DType) -> Self {
@@ -285,25 +248,6 @@ impl Qwen2VlVision {
         }
     }
 
-    /// Runs each op with the kernel `kernels` holds for it ([`Kernels::choose`]).
-    pub fn set_kernels(&mut self, kernels: Kernels) {
-        for (_, layer) in self.linears_mut() {
-            layer.set_kernel(kernels.linear);
-        }
-        self.kernels = kernels;
-    }
-
-    /// The kernels each op runs with.
-    pub fn kernels(&self) -> Kernels {
-        self.kernels
-    }
-
-    /// Marks the end of each stage of [`Self::forward`] on `clock` (clones of the model share
-    /// it).
-    pub fn set_stage_clock(&mut self, clock: StageClock) {
-        self.stages = clock;
-    }
-
     /// The model's shape.
     pub fn config(&self) -> &VisionConfig {
         &self.config
@@ -312,41 +256,6 @@ impl Qwen2VlVision {
     /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device
-    }
-
-    /// The largest buffer one operation may make, in bytes.
-    pub fn buffer_limit(&self) -> u64 {
-        self.buffer_limit
-    }
-
-    /// Sets the largest buffer one operation may make (a device's binding limit): attention
-    /// runs in blocks of queries that fit, and [`Self::max_rows`] follows.
-    pub fn set_buffer_limit(&mut self, bytes: u64) {
-        self.buffer_limit = bytes.max(1);
-    }
-
-    /// The most tower rows one [`Self::forward`] can take with every row-wise buffer (patches,
-    /// qkv, MLP, merger) within the buffer limit.
-    pub fn max_rows(&self) -> usize {
-        let c = &self.config;
-        let m2 = c.spatial_merge_size * c.spatial_merge_size;
-        let widest = [
-            c.patch_len(),
-            3 * c.embed_dim,
-            c.embed_dim * c.mlp_ratio,
-            c.hidden_size.div_ceil(m2),
-        ]
-        .into_iter()
-        .max()
-        .unwrap_or(1);
-        let rows = self.buffer_limit / (4 * widest as u64);
-        // Whole merge blocks only.
-        usize::try_from(rows).unwrap_or(usize::MAX) / m2 * m2
-    }
-
-    /// Every LoRA target linear, in a fixed order.
-    pub fn lora_targets(&self) -> Vec<LoraTarget> {
-        self.config.lora_targets()
     }
 
     /// Every linear with its path, in [`Self::lora_targets`]'s order (each is a target).
@@ -369,10 +278,154 @@ impl Qwen2VlVision {
         blocks.chain(merger.zip(self.merger.linears_mut()))
     }
 
+    fn attention(
+        &self,
+        block: &Block,
+        x: Tensor<2>,
+        rotary: &rotary::Rotary,
+        pieces: &[attention::Piece],
+        tower: &LoraBatch,
+    ) -> Result<Tensor<2>, ModelError> {
+        let [rows, _] = x.dims();
+        let (heads, hd) = (self.config.num_heads, self.config.head_dim());
+        let qkv = self
+            .linear(&block.qkv, x, tower, Stage::Qkv)?
+            .reshape([rows, 3, heads, hd]);
+        let [q_cos, q_sin] = &rotary.q;
+        let [k_cos, k_sin] = &rotary.k;
+        let q = rotate_packed(&qkv, 0, q_cos, q_sin, self.kernels.rotary);
+        let k = rotate_packed(&qkv, 1, k_cos, k_sin, self.kernels.rotary);
+        let v = qkv.slice([0..rows, 2..3]).reshape([rows, heads, hd]);
+        self.stages.mark(Stage::Rotary);
+        let outputs = pieces
+            .iter()
+            .map(|&piece| attention::attend(&q, &k, &v, piece, self.kernels.attention))
+            .collect();
+        let attended = Tensor::cat(outputs, 0);
+        self.stages.mark(Stage::Attention);
+        self.linear(&block.proj, attended, tower, Stage::Proj)
+    }
+
+    /// `layer` on `x`: its base product marked as `stage`, its LoRA op (where adapters are
+    /// installed) as [`Stage::LoraOp`]; both as `stage` where the layer's kernel adds the
+    /// deltas as it stores its product ([`LoraLinear::fused`]).
+    fn linear(
+        &self,
+        layer: &LoraLinear,
+        x: Tensor<2>,
+        batch: &LoraBatch,
+        stage: Stage,
+    ) -> Result<Tensor<2>, ModelError> {
+        if let Some(y) = layer.fused(x.clone(), batch) {
+            let y = y?;
+            self.stages.mark(stage);
+            return Ok(y);
+        }
+        let y = layer.base(x.clone());
+        self.stages.mark(stage);
+        if !layer.has_lora() {
+            return Ok(y);
+        }
+        let y = layer.add_lora(x, y, batch)?;
+        self.stages.mark(Stage::LoraOp);
+        Ok(y)
+    }
+
+    /// `norm` on `x`, marked as [`Stage::Norm`].
+    fn norm(&self, norm: &LayerNorm, x: Tensor<2>) -> Tensor<2> {
+        let normed = norm.forward(x, self.kernels.norm);
+        self.stages.mark(Stage::Norm);
+        normed
+    }
+
+    /// `x + update`, marked as [`Stage::Residual`].
+    fn residual(&self, x: Tensor<2>, update: Tensor<2>) -> Tensor<2> {
+        let sum = x + update;
+        self.stages.mark(Stage::Residual);
+        sum
+    }
+}
+
+impl VisionTower for Qwen2VlVision {
+    fn layout(&self) -> PatchLayout {
+        self.config.layout()
+    }
+
+    /// Every LoRA target linear, in a fixed order.
+    fn lora_targets(&self) -> Vec<LoraTarget> {
+        self.config.lora_targets()
+    }
+
     /// The target linear at `path` (as listed by [`Self::lora_targets`]).
-    pub fn target_mut(&mut self, path: &str) -> Option<&mut LoraLinear> {
+    fn target_mut(&mut self, path: &str) -> Option<&mut LoraLinear> {
         self.linears_mut()
             .find_map(|(target, layer)| (target == path).then_some(layer))
+    }
+
+    /// The most tower rows one [`Self::forward`] can take with every row-wise buffer (patches,
+    /// qkv, MLP, merger) within the buffer limit.
+    fn max_rows(&self) -> usize {
+        let c = &self.config;
+        let m2 = c.spatial_merge_size * c.spatial_merge_size;
+        let widest = [
+            c.patch_len(),
+            3 * c.embed_dim,
+            c.embed_dim * c.mlp_ratio,
+            c.hidden_size.div_ceil(m2),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(1);
+        let rows = self.buffer_limit / (4 * widest as u64);
+        // Whole merge blocks only.
+        usize::try_from(rows).unwrap_or(usize::MAX) / m2 * m2
+    }
+
+    /// The largest buffer one operation may make, in bytes.
+    fn buffer_limit(&self) -> u64 {
+        self.buffer_limit
+    }
+
+    /// Sets the largest buffer one operation may make (a device's binding limit): attention
+    /// runs in blocks of queries that fit, and [`Self::max_rows`] follows.
+    fn set_buffer_limit(&mut self, bytes: u64) {
+        self.buffer_limit = bytes.max(1);
+    }
+
+    /// The checkpoint name of every tensor [`Self::cast`] casts (the linears' weights and
+    /// biases, the patch embedding), and beside them on the device their largest magnitudes
+    /// (so a check of them all reads back once).
+    fn cast_magnitudes(&self) -> (Vec<String>, Tensor<1>) {
+        let mut names = vec!["patch_embed.proj.weight".to_owned()];
+        let mut largest = vec![self.patch_embed_t.clone().abs().max()];
+        for (path, linear) in self.linears() {
+            names.extend([format!("{path}.weight"), format!("{path}.bias")]);
+            largest.push(linear.largest_magnitudes());
+        }
+        (names, Tensor::cat(largest, 0))
+    }
+
+    fn cast(self: Box<Self>, dtype: DType) -> Box<dyn VisionTower> {
+        Box::new(Qwen2VlVision::cast(*self, dtype))
+    }
+
+    /// The kernels each op runs with.
+    fn kernels(&self) -> Kernels {
+        self.kernels
+    }
+
+    /// Runs each op with the kernel `kernels` holds for it ([`Kernels::choose`]).
+    fn set_kernels(&mut self, kernels: Kernels) {
+        for (_, layer) in self.linears_mut() {
+            layer.set_kernel(kernels.linear);
+        }
+        self.kernels = kernels;
+    }
+
+    /// Marks the end of each stage of [`Self::forward`] on `clock` (clones of the model share
+    /// it).
+    fn set_stage_clock(&mut self, clock: StageClock) {
+        self.stages = clock;
     }
 
     /// Runs the tower and the connector over every image of the batch at once.
@@ -380,7 +433,7 @@ impl Qwen2VlVision {
     /// `pixel_values`: `[rows, patch_len]`, the images' patches one after the other;
     /// `grids`: each image's `(t, h, w)`; `tower` and `connector`: the LoRA metadata of the
     /// tower rows and of the merged rows (row for row, as the mapping builder lays them out).
-    pub fn forward(
+    fn forward(
         &self,
         pixel_values: Tensor<2>,
         grids: &[[usize; 3]],
@@ -455,71 +508,8 @@ impl Qwen2VlVision {
         Ok(output)
     }
 
-    fn attention(
-        &self,
-        block: &Block,
-        x: Tensor<2>,
-        rotary: &rotary::Rotary,
-        pieces: &[attention::Piece],
-        tower: &LoraBatch,
-    ) -> Result<Tensor<2>, ModelError> {
-        let [rows, _] = x.dims();
-        let (heads, hd) = (self.config.num_heads, self.config.head_dim());
-        let qkv = self
-            .linear(&block.qkv, x, tower, Stage::Qkv)?
-            .reshape([rows, 3, heads, hd]);
-        let [q_cos, q_sin] = &rotary.q;
-        let [k_cos, k_sin] = &rotary.k;
-        let q = rotate_packed(&qkv, 0, q_cos, q_sin, self.kernels.rotary);
-        let k = rotate_packed(&qkv, 1, k_cos, k_sin, self.kernels.rotary);
-        let v = qkv.slice([0..rows, 2..3]).reshape([rows, heads, hd]);
-        self.stages.mark(Stage::Rotary);
-        let outputs = pieces
-            .iter()
-            .map(|&piece| attention::attend(&q, &k, &v, piece, self.kernels.attention))
-            .collect();
-        let attended = Tensor::cat(outputs, 0);
-        self.stages.mark(Stage::Attention);
-        self.linear(&block.proj, attended, tower, Stage::Proj)
-    }
-
-    /// `layer` on `x`: its base product marked as `stage`, its LoRA op (where adapters are
-    /// installed) as [`Stage::LoraOp`]; both as `stage` where the layer's kernel adds the
-    /// deltas as it stores its product ([`LoraLinear::fused`]).
-    fn linear(
-        &self,
-        layer: &LoraLinear,
-        x: Tensor<2>,
-        batch: &LoraBatch,
-        stage: Stage,
-    ) -> Result<Tensor<2>, ModelError> {
-        if let Some(y) = layer.fused(x.clone(), batch) {
-            let y = y?;
-            self.stages.mark(stage);
-            return Ok(y);
-        }
-        let y = layer.base(x.clone());
-        self.stages.mark(stage);
-        if !layer.has_lora() {
-            return Ok(y);
-        }
-        let y = layer.add_lora(x, y, batch)?;
-        self.stages.mark(Stage::LoraOp);
-        Ok(y)
-    }
-
-    /// `norm` on `x`, marked as [`Stage::Norm`].
-    fn norm(&self, norm: &LayerNorm, x: Tensor<2>) -> Tensor<2> {
-        let normed = norm.forward(x, self.kernels.norm);
-        self.stages.mark(Stage::Norm);
-        normed
-    }
-
-    /// `x + update`, marked as [`Stage::Residual`].
-    fn residual(&self, x: Tensor<2>, update: Tensor<2>) -> Tensor<2> {
-        let sum = x + update;
-        self.stages.mark(Stage::Residual);
-        sum
+    fn boxed_clone(&self) -> Box<dyn VisionTower> {
+        Box::new(self.clone())
     }
 }
 

@@ -87,6 +87,7 @@ mod tests {
     use super::*;
     use crate::models::qwen2_vl::Preset;
     use crate::models::qwen2_vl::Qwen2VlVision;
+    use crate::models::tower::VisionTower;
     use crate::ops::kernels::Kernels;
     use crate::ops::lora::LoraBatch;
     use crate::ops::norm::NormKernel;
