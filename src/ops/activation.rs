@@ -1,7 +1,8 @@
-//! QuickGELU, `x · sigmoid(1.702 · x)` (the MLP activation of Qwen2-VL's vision blocks), as a
-//! backend extension; and GELU (the merger's) in f32 whatever the dtype.
+//! The sigmoid-gated activations `x · sigmoid(s · x)` as a backend extension: QuickGELU (s =
+//! 1.702, the MLP activation of Qwen2-VL's vision blocks) and SiLU (s = 1, Qwen2.5-VL's, in its
+//! gated MLP [`swiglu`]); and GELU (the mergers') in f32 whatever the dtype.
 //!
-//! Composed from Burn's ops it is three passes over the MLP's widest activation, and on Flex (the
+//! Composed from Burn's ops QuickGELU is three passes over the MLP's widest activation, and on Flex (the
 //! CPU backend) each of them runs on one core with a scalar `exp`: about 60 ms per block at 2048
 //! rows on 2 cores, a tenth of the block. Flex here makes one in-place pass split over the rayon
 //! threads, in SIMD lanes ([`exp`]). The GPU backends keep the composed form
@@ -21,6 +22,9 @@ use crate::runtime::flex::{dense, values_mut};
 /// QuickGELU's slope: `x · sigmoid(1.702 · x)` approximates GELU.
 pub const QUICK_GELU_SLOPE: f32 = 1.702;
 
+/// SiLU's slope: `x · sigmoid(x)`.
+pub const SILU_SLOPE: f32 = 1.0;
+
 /// Values per rayon task: a few hundred KiB, enough to hide the task's overhead.
 const CHUNK: usize = 1 << 16;
 
@@ -30,13 +34,19 @@ pub trait ActivationBackend: Backend {
     /// `x · sigmoid(1.702 · x)`, element-wise.
     #[fusion(default)]
     fn quick_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        composed::<Self>(x)
+        composed::<Self>(x, QUICK_GELU_SLOPE)
+    }
+
+    /// `x · sigmoid(x)`, element-wise.
+    #[fusion(default)]
+    fn silu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        composed::<Self>(x, SILU_SLOPE)
     }
 }
 
-/// QuickGELU from Burn's element-wise ops, on any backend.
-pub fn composed<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
-    let gate = B::sigmoid(B::float_mul_scalar(x.clone(), QUICK_GELU_SLOPE.into()));
+/// `x · sigmoid(slope · x)` from Burn's element-wise ops, on any backend.
+pub fn composed<B: Backend>(x: FloatTensor<B>, slope: f32) -> FloatTensor<B> {
+    let gate = B::sigmoid(B::float_mul_scalar(x.clone(), slope.into()));
     B::float_mul(x, gate)
 }
 
@@ -45,6 +55,16 @@ pub fn quick_gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     Tensor::from_dispatch(<Dispatch as ActivationBackend>::quick_gelu(
         x.into_dispatch(),
     ))
+}
+
+/// SiLU of `x` on the backend of its device.
+pub fn silu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as ActivationBackend>::silu(x.into_dispatch()))
+}
+
+/// The gated MLP's activation (SwiGLU): `silu(gate) · up`, element-wise.
+pub fn swiglu(gate: Tensor<2>, up: Tensor<2>) -> Tensor<2> {
+    silu(gate) * up
 }
 
 /// GELU, `x · Φ(x)` with the error function (the merger's activation), computed in f32
@@ -59,26 +79,35 @@ pub fn gelu_in_f32<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 impl ActivationBackend for CubeBackend {}
 
 impl ActivationBackend for Flex {
-    /// f32 in one parallel pass, in place when `x` is not shared; other dtypes composed.
     fn quick_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        if x.dtype() != DType::F32 {
-            return composed::<Self>(x);
-        }
-        let mut y = dense(x);
-        values_mut(&mut y)
-            .par_chunks_mut(CHUNK)
-            .for_each(quick_gelu_in_place);
-        y
+        gated_on_flex(x, QUICK_GELU_SLOPE)
+    }
+
+    fn silu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        gated_on_flex(x, SILU_SLOPE)
     }
 }
 
-/// QuickGELU over `values` as `x / (1 + exp(−1.702 · x))`, in SIMD lanes ([`exp`]): the quotient
-/// keeps the limits exact (`exp` overflowing to ∞ gives −0 for large negative `x`; `x` itself
-/// for large positive), and NaN stays NaN.
+/// `x · sigmoid(slope · x)` on Flex: f32 in one parallel pass, in place when `x` is not shared;
+/// other dtypes composed.
+fn gated_on_flex(x: FloatTensor<Flex>, slope: f32) -> FloatTensor<Flex> {
+    if x.dtype() != DType::F32 {
+        return composed::<Flex>(x, slope);
+    }
+    let mut y = dense(x);
+    values_mut(&mut y)
+        .par_chunks_mut(CHUNK)
+        .for_each(|values| gated_in_place(values, slope));
+    y
+}
+
+/// `x · sigmoid(slope · x)` over `values` as `x / (1 + exp(−slope · x))`, in SIMD lanes
+/// ([`exp`]): the quotient keeps the limits exact (`exp` overflowing to ∞ gives −0 for large
+/// negative `x`; `x` itself for large positive), and NaN stays NaN.
 #[multiversion(targets = "simd")]
-fn quick_gelu_in_place(values: &mut [f32]) {
+fn gated_in_place(values: &mut [f32], slope: f32) {
     for x in values {
-        *x /= 1.0 + exp(-QUICK_GELU_SLOPE * *x);
+        *x /= 1.0 + exp(-slope * *x);
     }
 }
 
@@ -88,21 +117,34 @@ mod tests {
     use crate::runtime::device;
     use burn::tensor::{Distribution, TensorData};
 
-    /// QuickGELU in float64, value by value.
-    fn reference(values: &[f32]) -> Vec<f64> {
+    /// `x · sigmoid(slope · x)` in float64, value by value.
+    fn reference(values: &[f32], slope: f32) -> Vec<f64> {
         values
             .iter()
             .map(|&x| {
                 let x = f64::from(x);
-                x / (1.0 + (-f64::from(QUICK_GELU_SLOPE) * x).exp())
+                x / (1.0 + (-f64::from(slope) * x).exp())
             })
             .collect()
     }
+
+    /// An activation of a 1-D tensor.
+    type Activation = fn(Tensor<1>) -> Tensor<1>;
+
+    /// The activations with their slopes.
+    const GATED: [(Activation, f32); 2] =
+        [(quick_gelu::<1>, QUICK_GELU_SLOPE), (silu::<1>, SILU_SLOPE)];
 
     /// Flex's pass against float64 over the range that matters and past both ends, with a
     /// length that leaves a remainder after the 8-value lanes and spans several rayon tasks.
     #[test]
     fn flex_matches_float64() {
+        for (activation, slope) in GATED {
+            check_flex(activation, slope);
+        }
+    }
+
+    fn check_flex(activation: Activation, slope: f32) {
         let cpu = device::cpu();
         let n = 3 * CHUNK + 5;
         let x = Tensor::<2>::random([n, 1], Distribution::Uniform(-12.0, 12.0), &cpu.device);
@@ -110,24 +152,25 @@ mod tests {
         values.extend([
             0.0, -0.0, 1e-30, -1e-30, 40.0, -40.0, 60.0, -60.0, 100.0, -100.0,
         ]);
-        let expected = reference(&values);
+        let expected = reference(&values, slope);
         let len = values.len();
         let x = Tensor::<1>::from_data(TensorData::new(values.clone(), [len]), &cpu.device);
-        let y = quick_gelu(x).into_data().try_to_vec::<f32>().unwrap();
+        let y = activation(x).into_data().try_to_vec::<f32>().unwrap();
         let epsilon = f64::from(f32::EPSILON);
         for ((&x, &y), &expected) in values.iter().zip(&y).zip(&expected) {
             let error = (f64::from(y) - expected).abs();
             if expected.abs() < f64::from(f32::MIN_POSITIVE) {
-                // Below f32's normal range (x < −51): flushing towards zero is all f32 can do.
+                // Below f32's normal range (x · exp(slope · x) under 2⁻¹²⁶): flushing towards
+                // zero is all f32 can do.
                 assert!(
                     error < f64::from(f32::MIN_POSITIVE),
                     "x = {x}: {y} vs {expected}"
                 );
                 continue;
             }
-            // Tolerance: rounding 1.702·x moves exp's argument by |1.702·x|·ε, which exp turns
+            // Tolerance: rounding slope·x moves exp's argument by |slope·x|·ε, which exp turns
             // into that relative error; exp's own (≤ 2 ulp), the add and the divide add 4 ε.
-            let bound = (f64::from(QUICK_GELU_SLOPE * x).abs() + 4.0) * epsilon * expected.abs();
+            let bound = (f64::from(slope * x).abs() + 4.0) * epsilon * expected.abs();
             assert!(
                 error <= bound,
                 "x = {x}: {y} vs {expected} (bound {bound:e})"
@@ -136,7 +179,7 @@ mod tests {
         assert_eq!(
             y[len - 1].to_bits(),
             (-0.0f32).to_bits(),
-            "QuickGELU(−100) is −0"
+            "x · sigmoid({slope} · x) at −100 is −0"
         );
     }
 
@@ -148,14 +191,20 @@ mod tests {
         let x = Tensor::<2>::random([96, 40], Distribution::Uniform(-8.0, 8.0), &cpu.device);
         let before = x.clone().into_data();
         for input in [x.clone(), x.clone().transpose()] {
-            let expected = Tensor::<2>::from_primitive::<Flex>(composed::<Flex>(
-                input.clone().try_into_primitive::<Flex>().unwrap(),
-            ));
-            // Tolerance: two f32 evaluations of the same value, each within a few ulp.
-            quick_gelu(input).into_data().assert_approx_eq::<f32>(
-                &expected.into_data(),
-                burn::tensor::Tolerance::relative(1e-5),
-            );
+            for (slope, flex) in [
+                (QUICK_GELU_SLOPE, quick_gelu(input.clone())),
+                (SILU_SLOPE, silu(input.clone())),
+            ] {
+                let expected = Tensor::<2>::from_primitive::<Flex>(composed::<Flex>(
+                    input.clone().try_into_primitive::<Flex>().unwrap(),
+                    slope,
+                ));
+                // Tolerance: two f32 evaluations of the same value, each within a few ulp.
+                flex.into_data().assert_approx_eq::<f32>(
+                    &expected.into_data(),
+                    burn::tensor::Tolerance::relative(1e-5),
+                );
+            }
         }
         x.into_data().assert_eq(&before, true);
     }

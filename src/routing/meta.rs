@@ -53,6 +53,12 @@ pub enum MetaError {
         /// The slot count.
         slots: usize,
     },
+    /// A reordering of the rows names a row twice, or one that is not there.
+    #[error("a reordering of {rows} rows is not a permutation of them")]
+    NotAPermutation {
+        /// The rows.
+        rows: usize,
+    },
 }
 
 /// Which adapter occupies each of the `max_loras` slots (vLLM's `lora_index_to_id`).
@@ -277,6 +283,23 @@ impl KernelMeta {
         self.num_slots
     }
 
+    /// The metadata of these rows reordered: row `i` of the result is row `order[i]` here, with
+    /// its slot (a tower that permutes its rows, as window attention does, keeps each row's
+    /// adapter). `order` must be a permutation of the rows.
+    pub fn permuted(&self, order: &[usize]) -> Result<Self, MetaError> {
+        let rows = self.token_slots.len();
+        let mut seen = vec![false; rows];
+        let is_permutation = order.len() == rows
+            && order
+                .iter()
+                .all(|&row| row < rows && !std::mem::replace(&mut seen[row], true));
+        if !is_permutation {
+            return Err(MetaError::NotAPermutation { rows });
+        }
+        let slots = order.iter().map(|&row| self.token_slots[row]).collect();
+        Self::from_token_slots(slots, self.num_slots)
+    }
+
     /// The row groups that use an adapter, in sorted order.
     pub fn lora_segments(&self) -> impl Iterator<Item = Segment> + '_ {
         self.active_slots
@@ -308,6 +331,35 @@ mod tests {
     use super::*;
     use crate::routing::mapping::LoraMappingKind;
     use proptest::prelude::*;
+
+    /// A permuted row keeps its slot; anything but a permutation is refused.
+    #[test]
+    fn permuted_rows_keep_their_slots() {
+        let meta = KernelMeta::from_token_slots(vec![0, NO_SLOT, 1, 0, 2], 3).unwrap();
+        let order = [4, 2, 0, 3, 1];
+        let permuted = meta.permuted(&order).unwrap();
+        assert_eq!(permuted.token_slots(), [2, 1, 0, 0, NO_SLOT]);
+        assert_eq!(permuted.num_slots(), 3);
+        let back: Vec<usize> = (0..5)
+            .map(|row| order.iter().position(|&o| o == row).unwrap())
+            .collect();
+        assert_eq!(
+            permuted.permuted(&back).unwrap().token_slots(),
+            meta.token_slots()
+        );
+        for bad in [
+            &[0, 1, 2, 3][..],
+            &[0, 1, 2, 3, 3],
+            &[0, 1, 2, 3, 5],
+            &[0, 1, 2, 3, 4, 0],
+        ] {
+            assert_eq!(
+                meta.permuted(bad).unwrap_err(),
+                MetaError::NotAPermutation { rows: 5 },
+                "{bad:?}"
+            );
+        }
+    }
 
     /// vLLM's `LoRAKernelMeta` docstring example with `max_loras = 3`: counts `[3, 10, 5, 2]` and
     /// start offsets `[0, 3, 13, 18, 20]`. Upstream lists the ids as `[-1, 0, 2, 1]` to show the

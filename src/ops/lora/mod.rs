@@ -38,7 +38,7 @@ use burn::backend::{
 use burn::tensor::{DType, Device, Int, Shape, Tensor, TensorData};
 
 use crate::ops::linear::{self, LinearBackend, LinearShader};
-use crate::routing::meta::KernelMeta;
+use crate::routing::meta::{KernelMeta, MetaError};
 use crate::runtime::device::{DeviceClass, RuntimeDevice};
 
 /// The largest adapter rank the op accepts (vLLM's largest `max_lora_rank`).
@@ -223,6 +223,22 @@ impl LoraBatch {
 
     /// Uploads `meta` to `device`, for `kernels`.
     pub fn with_kernels(meta: KernelMeta, device: &RuntimeDevice, kernels: LoraKernels) -> Self {
+        Self::upload(meta, &device.device, kernels)
+    }
+
+    /// The batch of these rows reordered ([`KernelMeta::permuted`]), on the same device with
+    /// the same kernels: for a tower that permutes its rows.
+    pub fn permuted(&self, order: &[usize]) -> Result<Self, MetaError> {
+        let kernels = LoraKernels {
+            shrink: self.plan.shrink,
+            expand_vec4: self.plan.expand_vec4,
+        };
+        let meta = self.plan.meta.permuted(order)?;
+        Ok(Self::upload(meta, &self.sorted_tokens.device(), kernels))
+    }
+
+    /// Uploads `meta` to `device`, for `kernels`.
+    fn upload(meta: KernelMeta, device: &Device, kernels: LoraKernels) -> Self {
         let sorted: Vec<i32> = meta.sorted_tokens().iter().map(|&r| r as i32).collect();
         let tiles: Vec<i32> = meta
             .tiles(TILE)
@@ -230,7 +246,7 @@ impl LoraBatch {
             .collect();
         let upload = |v: Vec<i32>| {
             let n = v.len();
-            Tensor::<1, Int>::from_data(TensorData::new(v, [n]), &device.device)
+            Tensor::<1, Int>::from_data(TensorData::new(v, [n]), device)
         };
         Self {
             sorted_tokens: upload(sorted),
@@ -770,6 +786,37 @@ mod tests {
         assert_eq!(chosen.shrink(), ShrinkKernel::Split);
         assert!(chosen.plan.expand_vec4);
         assert!(LoraBatch::new(meta(), &gpu).plan.expand_vec4 || gpu.hardware_gpu);
+    }
+
+    /// The op on rows permuted, with the batch permuted alike, is the op's output permuted:
+    /// each row keeps its adapter. On the CPU and on wgpu.
+    #[test]
+    fn a_permuted_batch_keeps_each_rows_adapter() {
+        let problem = testing::Problem {
+            in_features: 64,
+            slices: vec![(96, 4), (32, 8)],
+            slots: 3,
+            token_slots: (0..40).map(|r| [0, 2, NO_SLOT, 1][r % 4]).collect(),
+        };
+        let order: Vec<usize> = (0..40).map(|r| (r * 7 + 3) % 40).collect();
+        let indices = |on: &RuntimeDevice| {
+            let values: Vec<i32> = order.iter().map(|&r| r as i32).collect();
+            Tensor::<1, Int>::from_data(TensorData::new(values, [40]), &on.device)
+        };
+        let devices = [Some(device::cpu()), device::gpu_for_tests()];
+        for on in devices.into_iter().flatten() {
+            let data = problem.data(&device::cpu()).to_device(&on);
+            let batch = problem.batch(&on);
+            let permuted = batch.permuted(&order).unwrap();
+            let x = data.x.clone().select(0, indices(&on));
+            let base = data.base.clone().select(0, indices(&on));
+            let got = lora_apply(x, base, &data.slices, &permuted).unwrap();
+            let want = lora_apply(data.x, data.base, &data.slices, &batch)
+                .unwrap()
+                .select(0, indices(&on));
+            // Tolerance: none; each row's own sums, in the same order.
+            got.into_data().assert_eq(&want.into_data(), true);
+        }
     }
 
     #[test]

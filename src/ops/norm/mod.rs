@@ -1,4 +1,5 @@
-//! Layer norm in f32 whatever the model computes in, as a backend extension.
+//! Layer norm in f32 whatever the model computes in, as a backend extension; RMSNorm in
+//! [`rms`].
 //!
 //! Composed ([`composed`]) it is a cast to f32, Burn's `layer_norm` and a cast back. On the CPU
 //! backend Burn's `layer_norm` is one fused pass. On the wgpu backend it is two mean
@@ -7,7 +8,10 @@
 //! reading and writing their rows once takes about 1 ms. There `shaders/norm/layer_norm.wgsl` does
 //! it in one launch ([`crate::ops::norm::wgsl`]), on hardware GPUs ([`NormKernel`]).
 
+pub mod rms;
 pub mod wgsl;
+
+pub use rms::rms_norm;
 
 use burn::backend::{
     Backend, Dispatch, Flex, TensorMetadata, backend_extension, tensor::FloatTensor,
