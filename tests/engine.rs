@@ -7,13 +7,15 @@ mod common;
 use std::path::PathBuf;
 
 use burn::tensor::wgpu::WgpuBackend;
-use common::{Expected, errors, fixture_dir, fixture_requests};
+use common::{
+    Expected, assert_outputs_match, errors, fixture_dir, fixture_requests, requests_with_frames,
+};
 use mmlora::engine::{
     Encoded, Engine, EngineError, EngineOptions, ImageSource, Request, SharedEngine,
 };
 use mmlora::ops::kernels::{KernelError, KernelPins};
 use mmlora::ops::linear::LinearKernel;
-use mmlora::preprocess::{Patches, PreprocessConfig};
+use mmlora::preprocess::PreprocessConfig;
 use mmlora::runtime::device::{self, Precision, RuntimeDevice};
 
 const ADAPTERS: [&str; 4] = ["all-r4", "patterns", "rslora-r8", "tower-r2"];
@@ -43,43 +45,12 @@ fn assert_matches_fixtures(requests: &[Request], results: &[Encoded], rel_tol: f
             .eq(requests.iter().map(|r| r.id.as_str())),
         "on {on}: results {ids:?}"
     );
-    let expected = Expected::load();
-    for result in results {
-        let tower = result.tower.as_ref().expect("asked for the tower");
-        for (name, actual) in [("tower", &tower.values), ("embeds", &result.embeds.values)] {
-            let (want, _) = expected.f32(&format!("{}.{name}", result.id));
-            let (rel, worst) = errors(actual, &want);
-            assert!(
-                rel <= rel_tol && worst <= 1e-4,
-                "{} ({:?}) {name} on {on}: rel {rel:e}, max {worst:e}",
-                result.id,
-                result.adapter
-            );
-        }
-    }
-}
-
-/// The fixture batch and, after it, patches of two frames (grid t = 2, as a video's: each
-/// frame attends within itself and takes the rotary table again) with all-r4.
-fn with_frames() -> Vec<Request> {
-    let expected = Expected::load();
-    let (pixel_values, _) = expected.f32("frames.pixel_values");
-    let grid = expected.i64("frames.image_grid_thw");
-    let mut requests = fixture_requests();
-    requests.push(Request {
-        id: "frames".to_owned(),
-        image: ImageSource::Patches(Patches {
-            pixel_values,
-            grid_thw: [0, 1, 2].map(|i| grid[i] as usize),
-        }),
-        adapter: Some("all-r4".to_owned()),
-    });
-    requests
+    assert_outputs_match(results, &Expected::load(), rel_tol, on);
 }
 
 #[test]
 fn two_frames_match_peft_beside_images_on_cpu_and_wgpu() {
-    let requests = with_frames();
+    let requests = requests_with_frames(&fixture_dir());
     let mut devices = vec![device::cpu()];
     devices.extend(device::gpu_for_tests());
     for on in devices {

@@ -1,16 +1,19 @@
-"""Writes the reference fixtures under assets/tiny-qwen2-vl/ with the real thing:
-transformers' Qwen2-VL vision tower, PEFT adapters, and the PIL image processor.
+"""Writes the reference fixtures under assets/tiny-<family>/ with the real thing:
+transformers' vision towers (Qwen2-VL, Qwen2.5-VL), PEFT adapters, and the PIL image processor.
 
     python3 -m venv .venv && .venv/bin/pip install -r tools/requirements.txt
-    .venv/bin/python tools/make_fixtures.py
+    .venv/bin/python tools/make_fixtures.py [qwen2-vl] [qwen2.5-vl]
 
-Everything is built from configs with fixed seeds; nothing is fetched from a hub.
-The model folder doubles as mmlora's embedded default model (random weights).
+With no family named, every family is written. Everything is built from configs with fixed
+seeds; nothing is fetched from a hub. Each family's draws come from its own generator, so one
+family's fixtures do not move when another's change. The Qwen2-VL folder doubles as mmlora's
+embedded default model (random weights).
 """
 
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +24,12 @@ from safetensors.torch import save_file
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+from transformers.vision_utils import get_vision_window_index
 
-ROOT = Path(__file__).resolve().parent.parent / "assets" / "tiny-qwen2-vl"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+ROOT = ASSETS / "tiny-qwen2-vl"
 
 VISION = dict(
     depth=2,
@@ -62,6 +69,45 @@ REQUESTS = [
     ("square.png", None),
     ("progressive.jpg", "rslora-r8"),
 ]
+
+ROOT_25 = ASSETS / "tiny-qwen2.5-vl"
+
+# Four blocks, two with windows and two with full attention; windows of 56 px are 2×2 merged
+# tokens, so the fixture images' grids (3×2, 4×3, … merged tokens) split into whole, partial
+# and padded windows.
+VISION_25 = dict(
+    depth=4,
+    hidden_size=32,
+    hidden_act="silu",
+    intermediate_size=48,
+    num_heads=2,
+    in_channels=3,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    tokens_per_second=2,
+    window_size=56,
+    out_hidden_size=40,
+    fullatt_block_indexes=[1, 3],
+)
+
+# The same kinds of adapter as Qwen2-VL's, on Qwen2.5-VL's targets (its MLP is SwiGLU).
+ADAPTERS_25 = {
+    "all-r4": dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["qkv", "attn.proj", "gate_proj", "up_proj", "down_proj", "mlp.0", "mlp.2"],
+    ),
+    "rslora-r8": dict(r=8, lora_alpha=4, use_rslora=True, target_modules=["qkv", "down_proj", "mlp.2"]),
+    "tower-r2": dict(r=2, lora_alpha=2, target_modules=r".*visual\.blocks\.\d+\.(attn\.qkv|mlp\.up_proj)"),
+    "patterns": dict(
+        r=4,
+        lora_alpha=4,
+        target_modules=["attn.proj", "gate_proj", "mlp.0"],
+        rank_pattern={"gate_proj": 6},
+        alpha_pattern={"mlp.0": 12},
+    ),
+}
 
 
 class Holder(torch.nn.Module):
@@ -108,7 +154,100 @@ def write_images(images_dir):
     )
 
 
-def main():
+def write_checkpoint(root, visual, lm_hidden):
+    """The checkpoint, sharded: blocks in one file, the rest (and one language-model tensor
+    mmlora must not load) in the other, under transformers 5's `model.visual.` prefix."""
+    state = {f"model.visual.{k}": v.contiguous() for k, v in visual.state_dict().items()}
+    state["model.language_model.embed_tokens.weight"] = torch.zeros(4, lm_hidden)
+    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
+    for key, value in state.items():
+        shard = "model-00001-of-00002.safetensors" if ".blocks." in key else "model-00002-of-00002.safetensors"
+        shards[shard][key] = value
+    weight_map = {}
+    for shard, tensors in shards.items():
+        save_file(tensors, root / shard, metadata={"format": "pt"})
+        weight_map.update({key: shard for key in tensors})
+    total = sum(v.numel() * v.element_size() for v in state.values())
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+
+
+def write_adapters(root, holder, adapters, generator):
+    """PEFT adapters on `holder`'s tower with seeded non-zero A and B, saved under
+    `root/adapters/`; returns the PEFT model holding them all."""
+    peft_model = None
+    for name, kwargs in adapters.items():
+        lora = LoraConfig(lora_dropout=0.0, bias="none", **kwargs)
+        if peft_model is None:
+            peft_model = get_peft_model(holder, lora, adapter_name=name)
+        else:
+            peft_model.add_adapter(name, lora)
+    with torch.no_grad():
+        for module_name, module in peft_model.named_modules():
+            if hasattr(module, "lora_A"):
+                for name in module.lora_A:
+                    a = module.lora_A[name].weight
+                    b = module.lora_B[name].weight
+                    a.copy_(torch.randn(a.shape, generator=generator) / math.sqrt(a.shape[1]))
+                    b.copy_(0.15 * torch.randn(b.shape, generator=generator))
+    adapters_dir = root / "adapters"
+    for name in adapters:
+        peft_model.save_pretrained(adapters_dir, selected_adapters=[name])
+    (adapters_dir / "README.md").unlink(missing_ok=True)  # PEFT's model card template
+    return peft_model
+
+
+def run_tower(visual, peft_model, adapter, pixel_values, grid):
+    """The tower's output with `adapter` (or none)."""
+    with torch.no_grad():
+        if adapter is None:
+            with peft_model.disable_adapter():
+                return visual(pixel_values, grid_thw=grid)
+        peft_model.set_adapter(adapter)
+        return visual(pixel_values, grid_thw=grid)
+
+
+def write_requests(root, processor, run, adapters):
+    """Images, the processor's output and each request's tower and connector outputs (`run`:
+    `(adapter, pixel_values, grid)` → `(tower, embeds)`), and the mixed batch file."""
+    write_images(root / "images")
+    expected = {}
+    for i, (file, adapter) in enumerate(REQUESTS):
+        image = Image.open(root / "images" / file)
+        batch = processor(images=[image], return_tensors="pt")
+        pixel_values, grid = batch["pixel_values"], batch["image_grid_thw"]
+        expected[f"{file}.pixel_values"] = pixel_values.contiguous()
+        expected[f"{file}.image_grid_thw"] = grid.contiguous()
+        tower, embeds = run(adapter, pixel_values, grid)
+        expected[f"request{i}.tower"] = tower.contiguous()
+        expected[f"request{i}.embeds"] = embeds.contiguous()
+    # The mixed batch in `mmlora encode --batch` form (paths relative to this file).
+    batch = {
+        "adapters": {name: f"adapters/{name}" for name in adapters},
+        "requests": [
+            {"id": f"request{i}", "image": f"images/{f}", "adapter": a}
+            for i, (f, a) in enumerate(REQUESTS)
+        ],
+    }
+    (root / "batch.json").write_text(json.dumps(batch, indent=2) + "\n")
+    return expected
+
+
+def write_frames(expected, generator, run, patch_len):
+    """Patches of two frames (grid t = 2), as a video's would be: each frame its own attention
+    segment, the rotary table repeated per frame. Drawn after everything else, so the other
+    fixtures do not move."""
+    grid = torch.tensor([[2, 4, 6]])
+    pixel_values = torch.randn(2 * 4 * 6, patch_len, generator=generator)
+    tower, embeds = run("all-r4", pixel_values, grid)
+    expected["frames.pixel_values"] = pixel_values.contiguous()
+    expected["frames.image_grid_thw"] = grid.contiguous()
+    expected["frames.tower"] = tower.contiguous()
+    expected["frames.embeds"] = embeds.contiguous()
+
+
+def qwen2_vl():
     if ROOT.exists():
         shutil.rmtree(ROOT)
     ROOT.mkdir(parents=True)
@@ -119,23 +258,7 @@ def main():
     visual = Qwen2VisionTransformerPretrainedModel(config).eval()
     seeded_weights(visual, generator)
     holder = Holder(visual)
-
-    # The checkpoint, sharded: blocks in one file, the rest (and one language-model tensor
-    # mmlora must not load) in the other.
-    state = {f"model.visual.{k}": v.contiguous() for k, v in visual.state_dict().items()}
-    state["model.language_model.embed_tokens.weight"] = torch.zeros(4, VISION["hidden_size"])
-    shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
-    for key, value in state.items():
-        shard = "model-00001-of-00002.safetensors" if ".blocks." in key else "model-00002-of-00002.safetensors"
-        shards[shard][key] = value
-    weight_map = {}
-    for shard, tensors in shards.items():
-        save_file(tensors, ROOT / shard, metadata={"format": "pt"})
-        weight_map.update({key: shard for key in tensors})
-    total = sum(v.numel() * v.element_size() for v in state.values())
-    (ROOT / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-    )
+    write_checkpoint(ROOT, visual, VISION["hidden_size"])
     hub_vision = dict(VISION)
     hub_vision["in_chans"] = hub_vision.pop("in_channels")  # the hub's spelling
     (ROOT / "config.json").write_text(
@@ -151,68 +274,71 @@ def main():
     )
     processor = Qwen2VLImageProcessorPil(**PREPROCESSOR)
     processor.save_pretrained(ROOT)
+    peft_model = write_adapters(ROOT, holder, ADAPTERS, generator)
 
-    # Adapters, with seeded non-zero A and B.
-    peft_model = None
-    for name, kwargs in ADAPTERS.items():
-        lora = LoraConfig(lora_dropout=0.0, bias="none", **kwargs)
-        if peft_model is None:
-            peft_model = get_peft_model(holder, lora, adapter_name=name)
-        else:
-            peft_model.add_adapter(name, lora)
-    with torch.no_grad():
-        for module_name, module in peft_model.named_modules():
-            if hasattr(module, "lora_A"):
-                for name in module.lora_A:
-                    a = module.lora_A[name].weight
-                    b = module.lora_B[name].weight
-                    a.copy_(torch.randn(a.shape, generator=generator) / math.sqrt(a.shape[1]))
-                    b.copy_(0.15 * torch.randn(b.shape, generator=generator))
-    adapters_dir = ROOT / "adapters"
-    for name in ADAPTERS:
-        peft_model.save_pretrained(adapters_dir, selected_adapters=[name])
-    (adapters_dir / "README.md").unlink(missing_ok=True)  # PEFT's model card template
+    def run(adapter, pixel_values, grid):
+        out = run_tower(visual, peft_model, adapter, pixel_values, grid)
+        return out.last_hidden_state, out.pooler_output
 
-    # Images, the processor's output, and each request's tower and connector outputs.
-    write_images(ROOT / "images")
-    expected = {}
-    for i, (file, adapter) in enumerate(REQUESTS):
-        image = Image.open(ROOT / "images" / file)
-        batch = processor(images=[image], return_tensors="pt")
-        pixel_values, grid = batch["pixel_values"], batch["image_grid_thw"]
-        expected[f"{file}.pixel_values"] = pixel_values.contiguous()
-        expected[f"{file}.image_grid_thw"] = grid.contiguous()
-        with torch.no_grad():
-            if adapter is None:
-                with peft_model.disable_adapter():
-                    out = visual(pixel_values, grid_thw=grid)
-            else:
-                peft_model.set_adapter(adapter)
-                out = visual(pixel_values, grid_thw=grid)
-        expected[f"request{i}.tower"] = out.last_hidden_state.contiguous()
-        expected[f"request{i}.embeds"] = out.pooler_output.contiguous()
-    # Patches of two frames (grid t = 2), as a video's would be: each frame its own attention
-    # segment, the rotary table repeated per frame. Drawn after everything above, so the
-    # other fixtures do not move.
-    grid = torch.tensor([[2, 4, 6]])
-    pixel_values = torch.randn(2 * 4 * 6, 3 * VISION["temporal_patch_size"] * 14 * 14, generator=generator)
-    peft_model.set_adapter("all-r4")
-    with torch.no_grad():
-        out = visual(pixel_values, grid_thw=grid)
-    expected["frames.pixel_values"] = pixel_values.contiguous()
-    expected["frames.image_grid_thw"] = grid.contiguous()
-    expected["frames.tower"] = out.last_hidden_state.contiguous()
-    expected["frames.embeds"] = out.pooler_output.contiguous()
+    expected = write_requests(ROOT, processor, run, ADAPTERS)
+    write_frames(expected, generator, run, 3 * VISION["temporal_patch_size"] * 14 * 14)
     save_file(expected, ROOT / "expected.safetensors")
-    # The mixed batch in `mmlora encode --batch` form (paths relative to this file).
-    batch = {
-        "adapters": {name: f"adapters/{name}" for name in ADAPTERS},
-        "requests": [
-            {"id": f"request{i}", "image": f"images/{f}", "adapter": a}
-            for i, (f, a) in enumerate(REQUESTS)
-        ],
-    }
-    (ROOT / "batch.json").write_text(json.dumps(batch, indent=2) + "\n")
+
+
+def qwen2_5_vl():
+    """Qwen2.5-VL: RMSNorm, SwiGLU and window attention. Its tower's `last_hidden_state` is in
+    window order; the fixture puts it back in the processor's order, as mmlora returns it."""
+    if ROOT_25.exists():
+        shutil.rmtree(ROOT_25)
+    ROOT_25.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(2525)
+
+    config = Qwen2_5_VLVisionConfig(**VISION_25)
+    config._attn_implementation = "eager"
+    visual = Qwen2_5_VisionTransformerPretrainedModel(config).eval()
+    seeded_weights(visual, generator)
+    holder = Holder(visual)
+    write_checkpoint(ROOT_25, visual, VISION_25["out_hidden_size"])
+    hub_vision = dict(VISION_25)
+    hub_vision["in_chans"] = hub_vision.pop("in_channels")  # the hub's spelling
+    hub_vision["spatial_patch_size"] = hub_vision["patch_size"]
+    (ROOT_25 / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+                "model_type": "qwen2_5_vl",
+                "hidden_size": VISION_25["out_hidden_size"],
+                "vision_config": hub_vision,
+            },
+            indent=2,
+        )
+    )
+    processor = Qwen2VLImageProcessorPil(**PREPROCESSOR)
+    processor.save_pretrained(ROOT_25)
+    peft_model = write_adapters(ROOT_25, holder, ADAPTERS_25, generator)
+    merge_unit = VISION_25["spatial_merge_size"] ** 2
+
+    def run(adapter, pixel_values, grid):
+        out = run_tower(visual, peft_model, adapter, pixel_values, grid)
+        window_index, _ = get_vision_window_index(
+            grid, VISION_25["spatial_merge_size"], VISION_25["window_size"], VISION_25["patch_size"]
+        )
+        hidden = out.last_hidden_state
+        rows = hidden.shape[0]
+        unpermuted = hidden.reshape(rows // merge_unit, merge_unit, -1)[torch.argsort(window_index)]
+        return unpermuted.reshape(rows, -1), out.pooler_output
+
+    expected = write_requests(ROOT_25, processor, run, ADAPTERS_25)
+    write_frames(expected, generator, run, 3 * VISION_25["temporal_patch_size"] * 14 * 14)
+    save_file(expected, ROOT_25 / "expected.safetensors")
+
+
+FAMILIES = {"qwen2-vl": qwen2_vl, "qwen2.5-vl": qwen2_5_vl}
+
+
+def main():
+    for family in sys.argv[1:] or FAMILIES:
+        FAMILIES[family]()
 
 
 if __name__ == "__main__":

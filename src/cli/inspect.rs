@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use mmlora::adapters::{AdapterConfig, AdapterError, PeftAdapter, TargetModules};
 use mmlora::engine::EngineOptions;
 use mmlora::models::LoraTarget;
-use mmlora::models::qwen2_vl::VisionConfig;
 
 use super::{CliError, model_dir};
 
@@ -58,7 +57,7 @@ pub fn run(args: InspectArgs) -> Result<(), CliError> {
     }
 
     let model = model_dir(args.model)?;
-    let targets = VisionConfig::from_model_dir(model.path())?.lora_targets();
+    let targets = mmlora::models::lora_targets(model.path())?;
     match PeftAdapter::load(&name, &args.dir, &targets, args.max_rank) {
         Ok(adapter) => {
             // Per kind of layer (`attn.qkv`, `merger.mlp.0`, …): how many layers, ranks, scales.

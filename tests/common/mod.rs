@@ -1,8 +1,9 @@
 // Each test crate uses only part of this module.
 #![allow(dead_code)]
 
-//! Shared by the integration tests: the fixtures under `assets/tiny-qwen2-vl/` written by
-//! `tools/make_fixtures.py` with transformers + PEFT.
+//! Shared by the integration tests: the fixtures under `assets/tiny-qwen2-vl/` (and each
+//! other family's `assets/tiny-<family>/`) written by `tools/make_fixtures.py` with
+//! transformers + PEFT.
 
 use std::path::PathBuf;
 
@@ -11,7 +12,12 @@ use serde::Deserialize;
 
 /// The fixture model folder.
 pub fn fixture_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-qwen2-vl")
+    family_dir("qwen2-vl")
+}
+
+/// The fixture model folder of `family` (`qwen2-vl`, `qwen2.5-vl`).
+pub fn family_dir(family: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("assets/tiny-{family}"))
 }
 
 /// One request of the fixture's mixed batch.
@@ -32,20 +38,49 @@ struct BatchFile {
 
 /// The mixed batch the fixtures were made for (`batch.json`, in `mmlora encode --batch` form).
 pub fn requests() -> Vec<FixtureRequest> {
-    let text = std::fs::read_to_string(fixture_dir().join("batch.json")).unwrap();
+    requests_in(&fixture_dir())
+}
+
+/// The mixed batch of the fixture folder `dir`.
+pub fn requests_in(dir: &std::path::Path) -> Vec<FixtureRequest> {
+    let text = std::fs::read_to_string(dir.join("batch.json")).unwrap();
     serde_json::from_str::<BatchFile>(&text).unwrap().requests
 }
 
 /// The fixture's requests as engine requests, their images given as files.
 pub fn fixture_requests() -> Vec<mmlora::engine::Request> {
-    requests()
+    fixture_requests_in(&fixture_dir())
+}
+
+/// The requests of the fixture folder `dir`, their images given as files.
+pub fn fixture_requests_in(dir: &std::path::Path) -> Vec<mmlora::engine::Request> {
+    requests_in(dir)
         .into_iter()
         .map(|r| mmlora::engine::Request {
-            image: mmlora::engine::ImageSource::File(fixture_dir().join(&r.image)),
+            image: mmlora::engine::ImageSource::File(dir.join(&r.image)),
             id: r.id,
             adapter: r.adapter,
         })
         .collect()
+}
+
+/// The requests of the fixture folder `dir` and, after them, its patches of two frames (grid
+/// t = 2, as a video's: each frame attends within itself and takes the rotary table again)
+/// with all-r4.
+pub fn requests_with_frames(dir: &std::path::Path) -> Vec<mmlora::engine::Request> {
+    let expected = Expected::load_from(dir);
+    let (pixel_values, _) = expected.f32("frames.pixel_values");
+    let grid = expected.i64("frames.image_grid_thw");
+    let mut requests = fixture_requests_in(dir);
+    requests.push(mmlora::engine::Request {
+        id: "frames".to_owned(),
+        image: mmlora::engine::ImageSource::Patches(mmlora::preprocess::Patches {
+            pixel_values,
+            grid_thw: [0, 1, 2].map(|i| grid[i] as usize),
+        }),
+        adapter: Some("all-r4".to_owned()),
+    });
+    requests
 }
 
 /// The reference outputs.
@@ -55,8 +90,13 @@ pub struct Expected {
 
 impl Expected {
     pub fn load() -> Self {
+        Self::load_from(&fixture_dir())
+    }
+
+    /// The reference outputs of the fixture folder `dir`.
+    pub fn load_from(dir: &std::path::Path) -> Self {
         Self {
-            bytes: std::fs::read(fixture_dir().join("expected.safetensors")).unwrap(),
+            bytes: std::fs::read(dir.join("expected.safetensors")).unwrap(),
         }
     }
 
@@ -86,6 +126,29 @@ impl Expected {
             .chunks_exact(8)
             .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
             .collect()
+    }
+}
+
+/// Each result's tower and embeddings against the reference outputs: within `rel_tol` in
+/// relative Frobenius norm and 1e-4 at worst.
+pub fn assert_outputs_match(
+    results: &[mmlora::engine::Encoded],
+    expected: &Expected,
+    rel_tol: f64,
+    on: &str,
+) {
+    for result in results {
+        let tower = result.tower.as_ref().expect("asked for the tower");
+        for (name, actual) in [("tower", &tower.values), ("embeds", &result.embeds.values)] {
+            let (want, _) = expected.f32(&format!("{}.{name}", result.id));
+            let (rel, worst) = errors(actual, &want);
+            assert!(
+                rel <= rel_tol && worst <= 1e-4,
+                "{} ({:?}) {name} on {on}: rel {rel:e}, max {worst:e}",
+                result.id,
+                result.adapter
+            );
+        }
     }
 }
 

@@ -5,6 +5,9 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::models::error::ConfigError;
+use crate::models::qwen_vision::config::{
+    RopeFields, VisionSection, check_heads, check_sizes, lora_targets,
+};
 use crate::models::tower::{LoraTarget, PatchLayout};
 
 /// The vision tower's shape (`vision_config`).
@@ -34,8 +37,7 @@ pub struct VisionConfig {
     pub rope_theta: f32,
 }
 
-/// transformers' rotary base when a config gives none.
-pub const DEFAULT_ROPE_THETA: f32 = 10_000.0;
+pub use crate::models::qwen_vision::config::DEFAULT_ROPE_THETA;
 
 /// `vision_config` as written on the hub (`in_chans`, `spatial_patch_size`) or by transformers
 /// (`in_channels`, `patch_size`); hub files carry both patch spellings.
@@ -53,50 +55,8 @@ struct RawVision {
     spatial_merge_size: Option<usize>,
     temporal_patch_size: Option<usize>,
     hidden_act: Option<String>,
-    /// The rotary embedding's parameters: transformers takes `rope_scaling` over
-    /// `rope_parameters`, and `rope_theta` beside them where they lack it.
-    rope_scaling: Option<serde_json::Map<String, serde_json::Value>>,
-    rope_parameters: Option<serde_json::Map<String, serde_json::Value>>,
-    rope_theta: Option<f32>,
-}
-
-impl RawVision {
-    /// The rotary base, and where it was read (for errors), or why the rotary embedding is
-    /// not the tower's axial one. transformers reads `rope_type` (else `type`) and takes
-    /// `default` for `axial`, as old checkpoints write it.
-    fn rope_theta(&self) -> Result<(f32, String), String> {
-        let params = [
-            ("rope_scaling", &self.rope_scaling),
-            ("rope_parameters", &self.rope_parameters),
-        ]
-        .into_iter()
-        .find_map(|(name, params)| Some((name, params.as_ref()?)));
-        let from_top = || {
-            (
-                self.rope_theta.unwrap_or(DEFAULT_ROPE_THETA),
-                "rope_theta".to_owned(),
-            )
-        };
-        let Some((name, params)) = params else {
-            return Ok(from_top());
-        };
-        let rope_type = params.get("rope_type").or_else(|| params.get("type"));
-        match rope_type.and_then(|t| t.as_str()).unwrap_or("default") {
-            "default" | "axial" => {}
-            other => {
-                return Err(format!(
-                    "{name}.rope_type is {other}; the tower's rotary embedding is axial"
-                ));
-            }
-        }
-        let Some(theta) = params.get("rope_theta") else {
-            return Ok(from_top());
-        };
-        match theta.as_f64() {
-            Some(value) => Ok((value as f32, format!("{name}.rope_theta"))),
-            None => Err(format!("{name}.rope_theta is {theta}, not a number")),
-        }
-    }
+    #[serde(flatten)]
+    rope: RopeFields,
 }
 
 impl RawVision {
@@ -118,72 +78,17 @@ impl RawVision {
     }
 }
 
-#[derive(Deserialize)]
-struct ConfigFile {
-    model_type: Option<String>,
-    /// Read as [`RawVision`] once `model_type` says it is Qwen2-VL's.
-    vision_config: Option<serde_json::Value>,
-    /// A tower saved alone (`qwen2_vl_vision`) has its fields at the top.
-    #[serde(flatten)]
-    top: serde_json::Map<String, serde_json::Value>,
-}
-
 impl VisionConfig {
     /// Reads `dir/config.json`.
     pub fn from_model_dir(dir: &Path) -> Result<Self, ConfigError> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Io {
-            path: path.clone(),
-            source,
-        })?;
-        let invalid = |reason: String| ConfigError::Invalid {
-            path: path.clone(),
-            reason,
-        };
-        let file: ConfigFile = serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
-        // The vision fields, and the path to them for errors to name keys by.
-        let (raw, at) = match file.model_type.as_deref() {
-            Some("qwen2_vl") => (
-                file.vision_config
-                    .ok_or_else(|| invalid("no vision_config".to_owned()))?,
-                "vision_config.",
-            ),
-            // The tower saved alone (`Qwen2VisionTransformerPretrainedModel`): at the top.
-            Some("qwen2_vl_vision") => (serde_json::Value::Object(file.top), ""),
-            other => {
-                return Err(invalid(format!(
-                    "model_type is {}; mmlora runs qwen2_vl (or its tower alone, \
-                     qwen2_vl_vision)",
-                    other.unwrap_or("missing")
-                )));
-            }
-        };
-        let section = at
-            .strip_suffix('.')
-            .map(|s| format!("{s}: "))
-            .unwrap_or_default();
-        let raw = RawVision::deserialize(raw).map_err(|e| invalid(format!("{section}{e}")))?;
-        let (rope_theta, theta_key) = raw.rope_theta().map_err(|e| invalid(format!("{at}{e}")))?;
+        let section = VisionSection::read(dir, "qwen2_vl")?;
+        let (at, invalid) = (section.at, |reason: String| section.invalid(reason));
+        let raw: RawVision = section.parse()?;
+        let rope_theta = section.rope_theta(&raw.rope)?;
         let config = raw.into_config(rope_theta);
-        if !(config.rope_theta.is_finite() && config.rope_theta > 0.0) {
-            return Err(invalid(format!(
-                "{at}{theta_key} is {}, not a positive number",
-                config.rope_theta
-            )));
-        }
-        if let Some((field, value, max)) = config.out_of_range() {
-            return Err(invalid(format!(
-                "{at}{field} is {value}, outside 1..={max}"
-            )));
-        }
-        if !config.embed_dim.is_multiple_of(config.num_heads)
-            || !(config.embed_dim / config.num_heads).is_multiple_of(4)
-        {
-            return Err(invalid(format!(
-                "embed_dim {} over {} heads does not give a head width divisible by 4",
-                config.embed_dim, config.num_heads
-            )));
-        }
+        config
+            .check()
+            .map_err(|reason| invalid(format!("{at}{reason}")))?;
         if config.hidden_act != "quick_gelu" {
             return Err(invalid(format!(
                 "hidden_act {} is not supported (quick_gelu is)",
@@ -193,10 +98,11 @@ impl VisionConfig {
         Ok(config)
     }
 
-    /// The first size that is zero or beyond what any real tower uses (and what sizes computed
-    /// from it could hold), with its bound.
-    fn out_of_range(&self) -> Option<(&'static str, usize, usize)> {
-        [
+    /// Why this shape cannot run, naming the key: a size that is zero or beyond what any
+    /// real tower uses (and what sizes computed from it could hold), or heads the attention
+    /// kernels cannot read.
+    fn check(&self) -> Result<(), String> {
+        check_sizes(&[
             ("depth", self.depth, 1024),
             ("embed_dim", self.embed_dim, 1 << 16),
             ("hidden_size", self.hidden_size, 1 << 17),
@@ -206,9 +112,8 @@ impl VisionConfig {
             ("patch_size", self.patch_size, 256),
             ("spatial_merge_size", self.spatial_merge_size, 16),
             ("temporal_patch_size", self.temporal_patch_size, 16),
-        ]
-        .into_iter()
-        .find(|&(_, value, max)| value == 0 || value > max)
+        ])?;
+        check_heads("embed_dim", self.embed_dim, self.num_heads)
     }
 
     /// Width of one attention head.
@@ -234,30 +139,15 @@ impl VisionConfig {
     /// Every LoRA target linear of a model of this shape, in a fixed order: each block's
     /// `attn.qkv`, `attn.proj`, `mlp.fc1`, `mlp.fc2`, then `merger.mlp.0` and `merger.mlp.2`.
     pub fn lora_targets(&self) -> Vec<LoraTarget> {
-        let d = self.embed_dim;
-        let mlp = d * self.mlp_ratio;
+        let (d, mlp) = (self.embed_dim, self.embed_dim * self.mlp_ratio);
+        let block = [
+            ("attn.qkv", d, 3 * d),
+            ("attn.proj", d, d),
+            ("mlp.fc1", d, mlp),
+            ("mlp.fc2", mlp, d),
+        ];
         let merged = d * self.spatial_merge_size * self.spatial_merge_size;
-        let target = |path: String, in_features, out_features, connector| LoraTarget {
-            path,
-            in_features,
-            out_features,
-            connector,
-        };
-        let mut targets = Vec::with_capacity(4 * self.depth + 2);
-        for i in 0..self.depth {
-            targets.push(target(format!("blocks.{i}.attn.qkv"), d, 3 * d, false));
-            targets.push(target(format!("blocks.{i}.attn.proj"), d, d, false));
-            targets.push(target(format!("blocks.{i}.mlp.fc1"), d, mlp, false));
-            targets.push(target(format!("blocks.{i}.mlp.fc2"), mlp, d, false));
-        }
-        targets.push(target("merger.mlp.0".to_owned(), merged, merged, true));
-        targets.push(target(
-            "merger.mlp.2".to_owned(),
-            merged,
-            self.hidden_size,
-            true,
-        ));
-        targets
+        lora_targets(self.depth, &block, merged, self.hidden_size)
     }
 }
 

@@ -2,27 +2,24 @@
 //! linear (`blocks.*.attn.qkv`, `attn.proj`, `mlp.fc1`, `mlp.fc2`, `merger.mlp.0`,
 //! `merger.mlp.2`). Numbers follow transformers' `Qwen2VisionTransformerPretrainedModel`.
 
-mod attention;
 pub mod config;
 mod presets;
-mod rotary;
 
 use std::path::Path;
 
-use burn::tensor::{DType, Device, Distribution, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor};
 
-use crate::models::checkpoint::Checkpoint;
 use crate::models::error::ModelError;
+use crate::models::qwen_vision::weights::{CheckpointWeights, RandomWeights, WeightSource};
+use crate::models::qwen_vision::{
+    Pass, attention_pieces, check_inputs, frames, max_rows, named, rotary,
+};
 use crate::models::tower::{LoraTarget, PatchLayout, VisionOutput, VisionTower};
 use crate::nn::LoraLinear;
 use crate::ops::activation::{gelu_in_f32, quick_gelu};
-use crate::ops::attention::AttentionKernel;
-use crate::ops::attention::wgsl as fused_attention;
 use crate::ops::kernels::Kernels;
 use crate::ops::lora::LoraBatch;
 use crate::ops::norm::{self, NormKernel};
-use crate::ops::rotary::rotate_packed;
-use crate::preprocess::grid_rows;
 use crate::runtime::stages::{Stage, StageClock};
 pub use config::{DEFAULT_ROPE_THETA, VisionConfig};
 pub use presets::Preset;
@@ -30,9 +27,7 @@ pub use presets::Preset;
 /// LayerNorm epsilon of every norm in the tower and merger.
 const LAYER_NORM_EPS: f64 = 1e-6;
 
-/// The largest buffer (in bytes) one operation makes unless told otherwise: it bounds the
-/// attention scores of large images, on the CPU backend too.
-pub const DEFAULT_BUFFER_LIMIT: u64 = 256 << 20;
+pub use crate::models::qwen_vision::DEFAULT_BUFFER_LIMIT;
 
 /// A layer norm's affine parameters, kept in f32 whatever the model computes in.
 #[derive(Debug, Clone)]
@@ -84,11 +79,8 @@ struct Merger {
     mlp2: LoraLinear,
 }
 
-/// The paths of the merger's linears, in [`Merger::linears`]'s order.
-const MERGER_LINEARS: [&str; 2] = ["merger.mlp.0", "merger.mlp.2"];
-
 impl Merger {
-    /// The merger's linears, in [`MERGER_LINEARS`]'s order.
+    /// The merger's linears, `mlp.0` then `mlp.2`.
     fn linears(&self) -> [&LoraLinear; 2] {
         [&self.mlp0, &self.mlp2]
     }
@@ -123,23 +115,12 @@ impl Qwen2VlVision {
     /// the tower's own names where it was saved alone).
     pub fn load(dir: &Path, device: &Device) -> Result<Self, ModelError> {
         let config = VisionConfig::from_model_dir(dir)?;
-        let mut ckpt = Checkpoint::open(dir)?;
-        // transformers 5's `model.visual.`, 4's `visual.`, or none for the tower saved alone;
-        // with none of them, the missing weights are named as transformers 4 spells them.
-        let prefix = ["model.visual.", "visual.", ""]
-            .into_iter()
-            .find(|prefix| ckpt.has_prefix(&format!("{prefix}blocks.")))
-            .unwrap_or("visual.");
         // Per block: 2 norms and 4 linears (weight + bias each); merger: 1 norm, 2 linears.
-        ckpt.report_progress((config.depth * 12 + 7) as u64);
+        let tensors = config.depth * 12 + 7;
         Self::build(
             config,
             device,
-            &mut CheckpointWeights {
-                ckpt,
-                prefix,
-                device,
-            },
+            &mut CheckpointWeights::open(dir, device, tensors)?,
         )
     }
 
@@ -260,75 +241,14 @@ impl Qwen2VlVision {
 
     /// Every linear with its path, in [`Self::lora_targets`]'s order (each is a target).
     fn linears(&self) -> impl Iterator<Item = (String, &LoraLinear)> {
-        let blocks = self.blocks.iter().enumerate().flat_map(|(i, block)| {
-            let paths = BLOCK_LINEARS.map(|name| format!("blocks.{i}.{name}"));
-            paths.into_iter().zip(block.linears())
-        });
-        let merger = MERGER_LINEARS.map(str::to_owned).into_iter();
-        blocks.chain(merger.zip(self.merger.linears()))
+        let blocks = self.blocks.iter().map(Block::linears);
+        named(blocks, BLOCK_LINEARS, self.merger.linears())
     }
 
     /// The same, to change.
     fn linears_mut(&mut self) -> impl Iterator<Item = (String, &mut LoraLinear)> {
-        let blocks = self.blocks.iter_mut().enumerate().flat_map(|(i, block)| {
-            let paths = BLOCK_LINEARS.map(|name| format!("blocks.{i}.{name}"));
-            paths.into_iter().zip(block.linears_mut())
-        });
-        let merger = MERGER_LINEARS.map(str::to_owned).into_iter();
-        blocks.chain(merger.zip(self.merger.linears_mut()))
-    }
-
-    fn attention(
-        &self,
-        block: &Block,
-        x: Tensor<2>,
-        rotary: &rotary::Rotary,
-        pieces: &[attention::Piece],
-        tower: &LoraBatch,
-    ) -> Result<Tensor<2>, ModelError> {
-        let [rows, _] = x.dims();
-        let (heads, hd) = (self.config.num_heads, self.config.head_dim());
-        let qkv = self
-            .linear(&block.qkv, x, tower, Stage::Qkv)?
-            .reshape([rows, 3, heads, hd]);
-        let [q_cos, q_sin] = &rotary.q;
-        let [k_cos, k_sin] = &rotary.k;
-        let q = rotate_packed(&qkv, 0, q_cos, q_sin, self.kernels.rotary);
-        let k = rotate_packed(&qkv, 1, k_cos, k_sin, self.kernels.rotary);
-        let v = qkv.slice([0..rows, 2..3]).reshape([rows, heads, hd]);
-        self.stages.mark(Stage::Rotary);
-        let outputs = pieces
-            .iter()
-            .map(|&piece| attention::attend(&q, &k, &v, piece, self.kernels.attention))
-            .collect();
-        let attended = Tensor::cat(outputs, 0);
-        self.stages.mark(Stage::Attention);
-        self.linear(&block.proj, attended, tower, Stage::Proj)
-    }
-
-    /// `layer` on `x`: its base product marked as `stage`, its LoRA op (where adapters are
-    /// installed) as [`Stage::LoraOp`]; both as `stage` where the layer's kernel adds the
-    /// deltas as it stores its product ([`LoraLinear::fused`]).
-    fn linear(
-        &self,
-        layer: &LoraLinear,
-        x: Tensor<2>,
-        batch: &LoraBatch,
-        stage: Stage,
-    ) -> Result<Tensor<2>, ModelError> {
-        if let Some(y) = layer.fused(x.clone(), batch) {
-            let y = y?;
-            self.stages.mark(stage);
-            return Ok(y);
-        }
-        let y = layer.base(x.clone());
-        self.stages.mark(stage);
-        if !layer.has_lora() {
-            return Ok(y);
-        }
-        let y = layer.add_lora(x, y, batch)?;
-        self.stages.mark(Stage::LoraOp);
-        Ok(y)
+        let blocks = self.blocks.iter_mut().map(Block::linears_mut);
+        named(blocks, BLOCK_LINEARS, self.merger.linears_mut())
     }
 
     /// `norm` on `x`, marked as [`Stage::Norm`].
@@ -336,13 +256,6 @@ impl Qwen2VlVision {
         let normed = norm.forward(x, self.kernels.norm);
         self.stages.mark(Stage::Norm);
         normed
-    }
-
-    /// `x + update`, marked as [`Stage::Residual`].
-    fn residual(&self, x: Tensor<2>, update: Tensor<2>) -> Tensor<2> {
-        let sum = x + update;
-        self.stages.mark(Stage::Residual);
-        sum
     }
 }
 
@@ -367,18 +280,13 @@ impl VisionTower for Qwen2VlVision {
     fn max_rows(&self) -> usize {
         let c = &self.config;
         let m2 = c.spatial_merge_size * c.spatial_merge_size;
-        let widest = [
+        let widths = [
             c.patch_len(),
             3 * c.embed_dim,
             c.embed_dim * c.mlp_ratio,
             c.hidden_size.div_ceil(m2),
-        ]
-        .into_iter()
-        .max()
-        .unwrap_or(1);
-        let rows = self.buffer_limit / (4 * widest as u64);
-        // Whole merge blocks only.
-        usize::try_from(rows).unwrap_or(usize::MAX) / m2 * m2
+        ];
+        max_rows(self.buffer_limit, c.spatial_merge_size, &widths)
     }
 
     /// The largest buffer one operation may make, in bytes.
@@ -440,66 +348,59 @@ impl VisionTower for Qwen2VlVision {
         tower: &LoraBatch,
         connector: &LoraBatch,
     ) -> Result<VisionOutput, ModelError> {
-        let [rows, len] = pixel_values.dims();
-        if grids.is_empty() {
-            return Err(ModelError::Input(
-                "no image: the grids are empty".to_owned(),
-            ));
-        }
-        if let Some(g) = grids.iter().find(|g| g.contains(&0)) {
-            return Err(ModelError::Input(format!("grid {g:?} has no patches")));
-        }
-        let expected_rows = grids
-            .iter()
-            .fold(0usize, |rows, grid| rows.saturating_add(grid_rows(grid)));
-        let m = self.config.spatial_merge_size;
-        if len != self.config.patch_len() || rows != expected_rows {
-            return Err(ModelError::Input(format!(
-                "pixel values are [{rows}, {len}] but the grids need [{expected_rows}, {}]",
-                self.config.patch_len()
-            )));
-        }
-        if let Some(g) = grids.iter().find(|g| g[1] % m != 0 || g[2] % m != 0) {
-            return Err(ModelError::Input(format!(
-                "grid {g:?} is not a multiple of the merge size {m}"
-            )));
-        }
+        let [rows, _] = pixel_values.dims();
+        check_inputs(pixel_values.dims(), grids, self.config.layout())?;
+        let (m, heads, hd) = (
+            self.config.spatial_merge_size,
+            self.config.num_heads,
+            self.config.head_dim(),
+        );
         // f32 angles in every precision: rotary runs in f32 (`ops::rotary::rotate_packed`).
-        let rotary = rotary::tables(grids, &self.config, &self.device);
+        let rotary = rotary::tables(grids, m, hd, self.config.rope_theta, &self.device);
         // Each frame of each image attends only to itself; the same pieces in every block.
-        let segments: Vec<usize> = grids
-            .iter()
-            .flat_map(|&[t, h, w]| std::iter::repeat_n(h * w, t))
-            .collect();
-        // The fused kernel writes no scores out: it takes the segments of one length together.
-        let fused = self.kernels.attention == AttentionKernel::Fused
-            && fused_attention::takes(self.config.head_dim());
-        let limit = if fused { u64::MAX } else { self.buffer_limit };
-        let pieces = attention::pieces(&segments, self.config.num_heads, limit);
+        let pieces = attention_pieces(
+            &frames(grids),
+            heads,
+            hd,
+            self.kernels.attention,
+            self.buffer_limit,
+        );
+        let pass = Pass {
+            kernels: self.kernels,
+            stages: &self.stages,
+        };
 
         self.stages.begin();
         let mut x = pixel_values
             .cast(self.dtype)
             .matmul(self.patch_embed_t.clone());
-        self.stages.mark(Stage::PatchEmbed);
+        pass.mark(Stage::PatchEmbed);
         for block in &self.blocks {
             let normed = self.norm(&block.norm1, x.clone());
-            let attended = self.attention(block, normed, &rotary, &pieces, tower)?;
-            x = self.residual(x, attended);
+            let attended = pass.attention(
+                &block.qkv,
+                &block.proj,
+                normed,
+                heads,
+                &rotary,
+                &pieces,
+                tower,
+            )?;
+            x = pass.residual(x, attended);
             let normed = self.norm(&block.norm2, x.clone());
-            let hidden = self.linear(&block.fc1, normed, tower, Stage::Fc1)?;
+            let hidden = pass.linear(&block.fc1, normed, tower, Stage::Fc1)?;
             let activated = quick_gelu(hidden);
-            self.stages.mark(Stage::Activation);
-            let mlp = self.linear(&block.fc2, activated, tower, Stage::Fc2)?;
-            x = self.residual(x, mlp);
+            pass.mark(Stage::Activation);
+            let mlp = pass.linear(&block.fc2, activated, tower, Stage::Fc2)?;
+            x = pass.residual(x, mlp);
         }
         let merged = self
             .norm(&self.merger.ln_q, x.clone())
             .reshape([rows / (m * m), self.config.embed_dim * m * m]);
-        let hidden = self.linear(&self.merger.mlp0, merged, connector, Stage::MergerMlp0)?;
+        let hidden = pass.linear(&self.merger.mlp0, merged, connector, Stage::MergerMlp0)?;
         let activated = gelu_in_f32(hidden);
-        self.stages.mark(Stage::Activation);
-        let embeds = self.linear(&self.merger.mlp2, activated, connector, Stage::MergerMlp2)?;
+        pass.mark(Stage::Activation);
+        let embeds = pass.linear(&self.merger.mlp2, activated, connector, Stage::MergerMlp2)?;
         let output = VisionOutput {
             tower: x.cast(DType::F32),
             embeds: embeds.cast(DType::F32),
@@ -511,66 +412,6 @@ impl VisionTower for Qwen2VlVision {
     fn boxed_clone(&self) -> Box<dyn VisionTower> {
         Box::new(self.clone())
     }
-}
-
-/// Where [`Qwen2VlVision::build`] gets its tensors, by checkpoint name without the `visual.`
-/// prefix.
-trait WeightSource {
-    fn tensor<const D: usize>(
-        &mut self,
-        name: &str,
-        shape: [usize; D],
-    ) -> Result<Tensor<D>, ModelError>;
-}
-
-/// A Hugging Face checkpoint.
-struct CheckpointWeights<'a> {
-    ckpt: Checkpoint,
-    prefix: &'static str,
-    device: &'a Device,
-}
-
-impl WeightSource for CheckpointWeights<'_> {
-    fn tensor<const D: usize>(
-        &mut self,
-        name: &str,
-        shape: [usize; D],
-    ) -> Result<Tensor<D>, ModelError> {
-        let key = format!("{}{name}", self.prefix);
-        Ok(self.ckpt.tensor(&key, shape, self.device)?)
-    }
-}
-
-/// Random weights: linears uniform in ±1/√fan-in (the conv's fan-in is its patch length),
-/// biases in ±0.02, norms within 0.1 of identity.
-struct RandomWeights<'a> {
-    device: &'a Device,
-}
-
-impl WeightSource for RandomWeights<'_> {
-    fn tensor<const D: usize>(
-        &mut self,
-        name: &str,
-        shape: [usize; D],
-    ) -> Result<Tensor<D>, ModelError> {
-        let norm = name.contains("norm") || name.contains("ln_q");
-        let range = match (norm, D) {
-            (true, _) => 0.1,
-            (false, 1) => 0.02,
-            (false, _) => 1.0 / (shape[1..].iter().product::<usize>() as f64).sqrt(),
-        };
-        let values = Tensor::<D>::random(shape, Distribution::Uniform(-range, range), self.device);
-        Ok(if norm && name.ends_with(".weight") {
-            values + 1.0
-        } else {
-            values
-        })
-    }
-}
-
-/// Uploads host values as a tensor of `shape`.
-fn host_tensor(values: Vec<f32>, shape: [usize; 3], device: &Device) -> Tensor<3> {
-    Tensor::from_data(TensorData::new(values, shape), device)
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@ use crate::ops::attention::{self, AttentionKernel};
 /// `len` rows from row `at`, and of each the queries `first_query .. first_query + queries`
 /// (every query where `segments > 1`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Piece {
+pub(crate) struct Piece {
     pub at: usize,
     pub segments: usize,
     pub len: usize,
@@ -25,7 +25,7 @@ pub(super) struct Piece {
 /// The pieces that cover `segments` (row counts, in order) with `heads` heads, each piece's
 /// scores within `limit` bytes (a piece of one query of one segment when even that does not
 /// fit), in row order.
-pub(super) fn pieces(segments: &[usize], heads: usize, limit: u64) -> Vec<Piece> {
+pub(crate) fn pieces(segments: &[usize], heads: usize, limit: u64) -> Vec<Piece> {
     // How many of something with `scores` f32 scores per head fit the limit.
     let fitting = |scores: usize| {
         usize::try_from(limit / (4 * heads * scores).max(1) as u64).unwrap_or(usize::MAX)
@@ -71,7 +71,7 @@ pub(super) fn pieces(segments: &[usize], heads: usize, limit: u64) -> Vec<Piece>
 /// computed by `kernel` from `q`, `k`, `v` (`[rows, heads, head_dim]`, rotary applied, `q`
 /// already scaled by `1/√head_dim`: [`super::rotary::Rotary::q`]), the softmax taken in f32
 /// (as PyTorch's autocast runs it).
-pub(super) fn attend(
+pub(crate) fn attend(
     q: &Tensor<3>,
     k: &Tensor<3>,
     v: &Tensor<3>,

@@ -1,0 +1,207 @@
+//! Reading a Qwen vision tower's section of `config.json`: where it sits for each `model_type`,
+//! errors that name the file and key, and the rotary base.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
+
+use crate::models::error::ConfigError;
+use crate::models::tower::LoraTarget;
+
+/// transformers' rotary base when a config gives none.
+pub const DEFAULT_ROPE_THETA: f32 = 10_000.0;
+
+/// The model types mmlora runs, whole models and towers saved alone, as errors list them.
+pub(crate) const MODEL_TYPES: &str =
+    "qwen2_vl, qwen2_5_vl (or their towers alone, qwen2_vl_vision, qwen2_5_vl_vision)";
+
+#[derive(Deserialize)]
+struct ConfigFile {
+    model_type: Option<String>,
+    /// The tower's fields in a whole model's config.
+    vision_config: Option<serde_json::Value>,
+    /// A tower saved alone has its fields at the top.
+    #[serde(flatten)]
+    top: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The `model_type` of `dir/config.json` (`None` where it has none).
+pub(crate) fn model_type(dir: &Path) -> Result<Option<String>, ConfigError> {
+    Ok(read(dir)?.1.model_type)
+}
+
+fn read(dir: &Path) -> Result<(PathBuf, ConfigFile), ConfigError> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    let file = serde_json::from_str(&text).map_err(|e| ConfigError::Invalid {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    Ok((path, file))
+}
+
+/// A tower's fields in `config.json`, with the file and the path to them for errors.
+pub(crate) struct VisionSection {
+    path: PathBuf,
+    value: serde_json::Value,
+    /// `vision_config.` in a whole model's config, empty for a tower saved alone.
+    pub at: &'static str,
+}
+
+impl VisionSection {
+    /// The tower's fields of `dir/config.json`, whose `model_type` must be `family` (the whole
+    /// model, fields under `vision_config`) or `{family}_vision` (the tower alone, at the top).
+    pub(crate) fn read(dir: &Path, family: &str) -> Result<Self, ConfigError> {
+        let (path, file) = read(dir)?;
+        let invalid = |reason: String| ConfigError::Invalid {
+            path: path.clone(),
+            reason,
+        };
+        let alone = format!("{family}_vision");
+        let (value, at) = match file.model_type.as_deref() {
+            Some(t) if t == family => (
+                file.vision_config
+                    .ok_or_else(|| invalid("no vision_config".to_owned()))?,
+                "vision_config.",
+            ),
+            Some(t) if t == alone => (serde_json::Value::Object(file.top), ""),
+            other => {
+                return Err(invalid(format!(
+                    "model_type is {}; mmlora runs {MODEL_TYPES}",
+                    other.unwrap_or("missing")
+                )));
+            }
+        };
+        Ok(Self { path, value, at })
+    }
+
+    /// An error about this file.
+    pub(crate) fn invalid(&self, reason: String) -> ConfigError {
+        ConfigError::Invalid {
+            path: self.path.clone(),
+            reason,
+        }
+    }
+
+    /// The fields as `T`; an error names the section.
+    pub(crate) fn parse<T: DeserializeOwned>(&self) -> Result<T, ConfigError> {
+        let section = self
+            .at
+            .strip_suffix('.')
+            .map(|s| format!("{s}: "))
+            .unwrap_or_default();
+        T::deserialize(&self.value).map_err(|e| self.invalid(format!("{section}{e}")))
+    }
+
+    /// The rotary base `rope` gives, positive and finite.
+    pub(crate) fn rope_theta(&self, rope: &RopeFields) -> Result<f32, ConfigError> {
+        let at = self.at;
+        let (theta, key) = rope.theta().map_err(|e| self.invalid(format!("{at}{e}")))?;
+        if !(theta.is_finite() && theta > 0.0) {
+            return Err(self.invalid(format!("{at}{key} is {theta}, not a positive number")));
+        }
+        Ok(theta)
+    }
+}
+
+/// The LoRA targets of a Qwen tower of `depth` blocks, each with the linears `block` (name,
+/// in, out), and a merger from `merged` to `out_hidden` (the connector's): blocks first, in
+/// order, then `merger.mlp.0` and `merger.mlp.2`.
+pub(crate) fn lora_targets(
+    depth: usize,
+    block: &[(&str, usize, usize)],
+    merged: usize,
+    out_hidden: usize,
+) -> Vec<LoraTarget> {
+    let target = |path: String, in_features, out_features, connector| LoraTarget {
+        path,
+        in_features,
+        out_features,
+        connector,
+    };
+    let blocks = (0..depth).flat_map(|i| {
+        block
+            .iter()
+            .map(move |&(name, inp, out)| target(format!("blocks.{i}.{name}"), inp, out, false))
+    });
+    let merger = [
+        target("merger.mlp.0".to_owned(), merged, merged, true),
+        target("merger.mlp.2".to_owned(), merged, out_hidden, true),
+    ];
+    blocks.chain(merger).collect()
+}
+
+/// The first of `sizes` (key, value, largest) that is zero or above its largest, said by key.
+pub(crate) fn check_sizes(sizes: &[(&str, usize, usize)]) -> Result<(), String> {
+    match sizes
+        .iter()
+        .find(|&&(_, value, max)| value == 0 || value > max)
+    {
+        Some((key, value, max)) => Err(format!("{key} is {value}, outside 1..={max}")),
+        None => Ok(()),
+    }
+}
+
+/// Refuses a width (`key`) whose heads are not a whole multiple of 4 values each, as the
+/// attention kernels read them.
+pub(crate) fn check_heads(key: &str, width: usize, heads: usize) -> Result<(), String> {
+    if width.is_multiple_of(heads) && (width / heads).is_multiple_of(4) {
+        Ok(())
+    } else {
+        Err(format!(
+            "{key} {width} over {heads} heads does not give a head width divisible by 4"
+        ))
+    }
+}
+
+/// The rotary embedding's fields of a `vision_config`: transformers takes `rope_scaling` over
+/// `rope_parameters`, and `rope_theta` beside them where they lack it.
+#[derive(Deserialize)]
+pub(crate) struct RopeFields {
+    rope_scaling: Option<serde_json::Map<String, serde_json::Value>>,
+    rope_parameters: Option<serde_json::Map<String, serde_json::Value>>,
+    rope_theta: Option<f32>,
+}
+
+impl RopeFields {
+    /// The rotary base, and where it was read (for errors), or why the rotary embedding is
+    /// not the tower's axial one. transformers reads `rope_type` (else `type`) and takes
+    /// `default` for `axial`, as old checkpoints write it.
+    fn theta(&self) -> Result<(f32, String), String> {
+        let params = [
+            ("rope_scaling", &self.rope_scaling),
+            ("rope_parameters", &self.rope_parameters),
+        ]
+        .into_iter()
+        .find_map(|(name, params)| Some((name, params.as_ref()?)));
+        let from_top = || {
+            (
+                self.rope_theta.unwrap_or(DEFAULT_ROPE_THETA),
+                "rope_theta".to_owned(),
+            )
+        };
+        let Some((name, params)) = params else {
+            return Ok(from_top());
+        };
+        let rope_type = params.get("rope_type").or_else(|| params.get("type"));
+        match rope_type.and_then(|t| t.as_str()).unwrap_or("default") {
+            "default" | "axial" => {}
+            other => {
+                return Err(format!(
+                    "{name}.rope_type is {other}; the tower's rotary embedding is axial"
+                ));
+            }
+        }
+        let Some(theta) = params.get("rope_theta") else {
+            return Ok(from_top());
+        };
+        match theta.as_f64() {
+            Some(value) => Ok((value as f32, format!("{name}.rope_theta"))),
+            None => Err(format!("{name}.rope_theta is {theta}, not a number")),
+        }
+    }
+}
