@@ -10,20 +10,22 @@
 //! (PiSSA and the like, unless converted), unknown modules, shapes that do not fit and ranks
 //! above `max_rank` are refused with the adapter and key named.
 
+mod install;
+mod patterns;
 pub mod registry;
+
+pub use install::install;
+use patterns::{Pattern, TargetFilter};
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use burn::tensor::{Device, Tensor, TensorData};
-use fancy_regex::Regex;
 use indexmap::IndexMap;
 use safetensors::SafeTensors;
 use serde::Deserialize;
 
 use crate::models::checkpoint::{float_values, safetensors_failure};
-use crate::models::tower::{LoraTarget, VisionTower};
-use crate::ops::lora::LoraSlice;
+use crate::models::tower::LoraTarget;
 
 /// `target_modules`: a list of module-name suffixes or one regex.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -632,111 +634,6 @@ fn unexpected_key(module_key: &str, saved: &[String]) -> String {
     format!("{what}, which mmlora does not run")
 }
 
-/// PEFT's `rank_pattern` / `alpha_pattern`, compiled once: key `k` matches a module name when
-/// Python's `re.match(r"(.*\.)?(k)$", name)` does, and the first matching key in the file's
-/// order gives the value.
-struct Pattern<T> {
-    /// Each key, compiled, and its value.
-    rules: Vec<(String, Regex, T)>,
-}
-
-impl<T: Copy> Pattern<T> {
-    fn compile(patterns: &IndexMap<String, T>) -> Result<Self, String> {
-        let rules = patterns
-            .iter()
-            .map(|(key, &value)| {
-                Regex::new(&format!(r"^(.*\.)?(?:{key})$"))
-                    .map(|re| (key.clone(), re, value))
-                    .map_err(|e| format!("pattern key `{key}` is not a valid regex: {e}"))
-            })
-            .collect::<Result<_, _>>()?;
-        Ok(Self { rules })
-    }
-
-    /// The value of the first key that matches `module`, if any.
-    fn lookup(&self, module: &str) -> Result<Option<T>, String> {
-        for (key, re, value) in &self.rules {
-            if re.is_match(module).map_err(|e| {
-                format!("pattern key `{key}` cannot be matched against `{module}`: {e}")
-            })? {
-                return Ok(Some(*value));
-            }
-        }
-        Ok(None)
-    }
-}
-
-/// `target_modules` and `target_parameters` as PEFT matches them against module names: a
-/// list entry matches the name or its last dotted parts, a string is a regex over the whole
-/// name (`all-linear`: everything); a parameter entry matches `name.weight` the way a list
-/// entry matches a name. Names are tried as transformers 5 (`model.visual.…`) and 4
-/// (`visual.…`) spell them, and as PEFT on the tower alone does (`blocks.…`).
-struct TargetFilter {
-    modules: ModuleFilter,
-    /// `target_parameters`.
-    parameters: Vec<String>,
-}
-
-enum ModuleFilter {
-    All,
-    Suffixes(Vec<String>),
-    Regex(Regex),
-}
-
-impl TargetFilter {
-    fn compile(modules: Option<&TargetModules>, parameters: &[String]) -> Result<Self, String> {
-        let modules = match modules {
-            // Parameters alone target only themselves.
-            None if !parameters.is_empty() => ModuleFilter::Suffixes(Vec::new()),
-            None => ModuleFilter::All,
-            Some(TargetModules::Regex(pattern)) if pattern == "all-linear" => ModuleFilter::All,
-            Some(TargetModules::Regex(pattern)) => ModuleFilter::Regex(
-                Regex::new(&format!("^(?:{pattern})$"))
-                    .map_err(|e| format!("target_modules `{pattern}` is not a valid regex: {e}"))?,
-            ),
-            Some(TargetModules::List(suffixes)) => ModuleFilter::Suffixes(suffixes.clone()),
-        };
-        Ok(Self {
-            modules,
-            parameters: parameters.to_vec(),
-        })
-    }
-
-    /// Whether the target at `path` (`blocks.0.attn.qkv`) is covered; a regex that cannot be
-    /// run to the end (fancy-regex's backtracking limit) is an error.
-    fn covers(&self, path: &str) -> Result<bool, String> {
-        let names = [
-            format!("model.visual.{path}"),
-            format!("visual.{path}"),
-            path.to_owned(),
-        ];
-        let ends_with = |name: &str, suffix: &str| {
-            name.strip_suffix(suffix)
-                .is_some_and(|head| head.is_empty() || head.ends_with('.'))
-        };
-        let weight = format!("{}.weight", names[0]);
-        if self.parameters.iter().any(|p| ends_with(&weight, p)) {
-            return Ok(true);
-        }
-        Ok(match &self.modules {
-            ModuleFilter::All => true,
-            ModuleFilter::Regex(re) => {
-                for name in &names {
-                    if re.is_match(name).map_err(|e| {
-                        format!("target_modules cannot be matched against `{name}`: {e}")
-                    })? {
-                        return Ok(true);
-                    }
-                }
-                false
-            }
-            ModuleFilter::Suffixes(suffixes) => {
-                suffixes.iter().any(|suffix| ends_with(&names[0], suffix))
-            }
-        })
-    }
-}
-
 /// A tensor's values as f32, checking its shape (f32, f16 and bf16 accepted).
 fn read_f32<const D: usize>(
     file: &SafeTensors<'_>,
@@ -751,45 +648,6 @@ fn read_f32<const D: usize>(
         ));
     }
     float_values(&view)
-}
-
-/// Stacks the adapters in `slots` (slot `i` holds `slots[i]`, or nothing) into every target
-/// linear of `model`. A layer no slotted adapter covers gets no LoRA at all; smaller ranks are
-/// zero-padded to the largest rank among the adapters covering the layer.
-pub fn install(model: &mut dyn VisionTower, slots: &[Option<&PeftAdapter>], device: &Device) {
-    for target in model.lora_targets() {
-        let covering: Vec<(usize, &ModuleLora)> = slots
-            .iter()
-            .enumerate()
-            .filter_map(|(slot, adapter)| {
-                Some((slot, adapter.as_ref()?.modules.get(&target.path)?))
-            })
-            .collect();
-        let slice = (!covering.is_empty()).then(|| {
-            let rank = covering.iter().map(|(_, m)| m.rank).max().unwrap_or(1);
-            let (n, inp, out) = (slots.len(), target.in_features, target.out_features);
-            let mut a = vec![0.0f32; n * rank * inp];
-            let mut b = vec![0.0f32; n * out * rank];
-            for (slot, module) in covering {
-                // A: the adapter's rows on top, the rest zero.
-                a[slot * rank * inp..][..module.rank * inp].copy_from_slice(&module.a);
-                // B: the adapter's columns on the left of each row, the rest zero.
-                for o in 0..out {
-                    b[(slot * out + o) * rank..][..module.rank]
-                        .copy_from_slice(&module.b[o * module.rank..(o + 1) * module.rank]);
-                }
-            }
-            LoraSlice {
-                a: Tensor::from_data(TensorData::new(a, [n, rank, inp]), device),
-                b: Tensor::from_data(TensorData::new(b, [n, out, rank]), device),
-                offset: 0,
-            }
-        });
-        model
-            .target_mut(&target.path)
-            .expect("lora_targets lists the model's own layers")
-            .set_lora(slice);
-    }
 }
 
 #[cfg(test)]
