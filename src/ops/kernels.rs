@@ -275,12 +275,6 @@ impl Kernels {
             rotary: RotaryKernel::for_device(device),
         })
     }
-
-    /// The kernels `device` runs in f32 with nothing pinned.
-    pub fn auto(device: &RuntimeDevice) -> Self {
-        Self::choose(KernelPins::default(), device, Precision::F32)
-            .expect("auto is every device's own choice")
-    }
 }
 
 #[cfg(test)]
@@ -350,7 +344,7 @@ mod tests {
                 "{pins}: {error}"
             );
         }
-        let auto = Kernels::auto(&cpu);
+        let auto = Kernels::choose(KernelPins::default(), &cpu, Precision::F32).unwrap();
         assert_eq!(auto.linear, LinearChoice::Fixed(LinearKernel::Burn));
         assert_eq!(auto.attention, AttentionKernel::Burn);
         assert_eq!(auto.lora.shrink, ShrinkKernel::Split);
