@@ -6,7 +6,7 @@ use serde::Deserialize;
 
 use crate::models::error::ConfigError;
 use crate::models::qwen_vision::config::{
-    RopeFields, VisionSection, check_heads, check_sizes, lora_targets,
+    PatchFields, RopeFields, VisionSection, check_heads, check_sizes, lora_targets, patch_sizes,
 };
 use crate::models::tower::{LoraTarget, PatchLayout};
 
@@ -47,12 +47,8 @@ struct RawVision {
     intermediate_size: usize,
     num_heads: usize,
     out_hidden_size: usize,
-    in_channels: Option<usize>,
-    in_chans: Option<usize>,
-    patch_size: Option<usize>,
-    spatial_patch_size: Option<usize>,
-    spatial_merge_size: Option<usize>,
-    temporal_patch_size: Option<usize>,
+    #[serde(flatten)]
+    patch: PatchFields,
     window_size: Option<usize>,
     fullatt_block_indexes: Option<Vec<usize>>,
     hidden_act: Option<String>,
@@ -74,16 +70,17 @@ impl Qwen25VlConfig {
                 "{at}hidden_act is {act}; Qwen2.5-VL's gated MLP runs silu"
             )));
         }
+        let layout = raw.patch.layout();
         let config = Self {
             depth: raw.depth,
             embed_dim: raw.hidden_size,
             intermediate_size: raw.intermediate_size,
             num_heads: raw.num_heads,
             out_hidden_size: raw.out_hidden_size,
-            in_channels: raw.in_channels.or(raw.in_chans).unwrap_or(3),
-            patch_size: raw.patch_size.or(raw.spatial_patch_size).unwrap_or(14),
-            spatial_merge_size: raw.spatial_merge_size.unwrap_or(2),
-            temporal_patch_size: raw.temporal_patch_size.unwrap_or(2),
+            in_channels: layout.in_channels,
+            patch_size: layout.patch_size,
+            spatial_merge_size: layout.spatial_merge_size,
+            temporal_patch_size: layout.temporal_patch_size,
             window_size: raw.window_size.unwrap_or(112),
             fullatt_block_indexes: raw
                 .fullatt_block_indexes
@@ -104,12 +101,9 @@ impl Qwen25VlConfig {
             ("intermediate_size", self.intermediate_size, 1 << 18),
             ("num_heads", self.num_heads, 1024),
             ("out_hidden_size", self.out_hidden_size, 1 << 17),
-            ("in_channels", self.in_channels, 16),
-            ("patch_size", self.patch_size, 256),
-            ("spatial_merge_size", self.spatial_merge_size, 16),
-            ("temporal_patch_size", self.temporal_patch_size, 16),
-            ("window_size", self.window_size, 1 << 16),
         ])?;
+        check_sizes(&patch_sizes(self.layout()))?;
+        check_sizes(&[("window_size", self.window_size, 1 << 16)])?;
         check_heads("hidden_size", self.embed_dim, self.num_heads)?;
         let block = self.spatial_merge_size * self.patch_size;
         if !self.window_size.is_multiple_of(block) {

@@ -14,7 +14,8 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use crate::models::error::ModelError;
 use crate::models::qwen_vision::weights::{CheckpointWeights, RandomWeights, WeightSource};
 use crate::models::qwen_vision::{
-    DEFAULT_BUFFER_LIMIT, Pass, attention_pieces, check_inputs, frames, max_rows, named, rotary,
+    DEFAULT_BUFFER_LIMIT, Pass, attention_pieces, cast_magnitudes, check_inputs, frames, max_rows,
+    named, rotary,
 };
 use crate::models::tower::{LoraTarget, PatchLayout, VisionOutput, VisionTower};
 use crate::nn::LoraLinear;
@@ -258,13 +259,7 @@ impl VisionTower for Qwen25VlVision {
     }
 
     fn cast_magnitudes(&self) -> (Vec<String>, Tensor<1>) {
-        let mut names = vec!["patch_embed.proj.weight".to_owned()];
-        let mut largest = vec![self.patch_embed_t.clone().abs().max()];
-        for (path, linear) in self.linears() {
-            names.extend([format!("{path}.weight"), format!("{path}.bias")]);
-            largest.push(linear.largest_magnitudes());
-        }
-        (names, Tensor::cat(largest, 0))
+        cast_magnitudes(&self.patch_embed_t, self.linears())
     }
 
     /// The linears' weights and the patch embedding cast to `dtype`; the norms' weights stay

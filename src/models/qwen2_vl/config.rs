@@ -6,7 +6,7 @@ use serde::Deserialize;
 
 use crate::models::error::ConfigError;
 use crate::models::qwen_vision::config::{
-    RopeFields, VisionSection, check_heads, check_sizes, lora_targets,
+    PatchFields, RopeFields, VisionSection, check_heads, check_sizes, lora_targets, patch_sizes,
 };
 use crate::models::tower::{LoraTarget, PatchLayout};
 
@@ -48,12 +48,8 @@ struct RawVision {
     hidden_size: usize,
     mlp_ratio: Option<usize>,
     num_heads: usize,
-    in_channels: Option<usize>,
-    in_chans: Option<usize>,
-    patch_size: Option<usize>,
-    spatial_patch_size: Option<usize>,
-    spatial_merge_size: Option<usize>,
-    temporal_patch_size: Option<usize>,
+    #[serde(flatten)]
+    patch: PatchFields,
     hidden_act: Option<String>,
     #[serde(flatten)]
     rope: RopeFields,
@@ -62,16 +58,17 @@ struct RawVision {
 impl RawVision {
     /// The config these fields give, with the rotary base read by [`Self::rope_theta`].
     fn into_config(self, rope_theta: f32) -> VisionConfig {
+        let layout = self.patch.layout();
         VisionConfig {
             depth: self.depth,
             embed_dim: self.embed_dim,
             hidden_size: self.hidden_size,
             mlp_ratio: self.mlp_ratio.unwrap_or(4),
             num_heads: self.num_heads,
-            in_channels: self.in_channels.or(self.in_chans).unwrap_or(3),
-            patch_size: self.patch_size.or(self.spatial_patch_size).unwrap_or(14),
-            spatial_merge_size: self.spatial_merge_size.unwrap_or(2),
-            temporal_patch_size: self.temporal_patch_size.unwrap_or(2),
+            in_channels: layout.in_channels,
+            patch_size: layout.patch_size,
+            spatial_merge_size: layout.spatial_merge_size,
+            temporal_patch_size: layout.temporal_patch_size,
             hidden_act: self.hidden_act.unwrap_or_else(|| "quick_gelu".to_owned()),
             rope_theta,
         }
@@ -108,11 +105,8 @@ impl VisionConfig {
             ("hidden_size", self.hidden_size, 1 << 17),
             ("mlp_ratio", self.mlp_ratio, 64),
             ("num_heads", self.num_heads, 1024),
-            ("in_channels", self.in_channels, 16),
-            ("patch_size", self.patch_size, 256),
-            ("spatial_merge_size", self.spatial_merge_size, 16),
-            ("temporal_patch_size", self.temporal_patch_size, 16),
         ])?;
+        check_sizes(&patch_sizes(self.layout()))?;
         check_heads("embed_dim", self.embed_dim, self.num_heads)
     }
 

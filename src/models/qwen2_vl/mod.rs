@@ -12,7 +12,7 @@ use burn::tensor::{DType, Device, Tensor};
 use crate::models::error::ModelError;
 use crate::models::qwen_vision::weights::{CheckpointWeights, RandomWeights, WeightSource};
 use crate::models::qwen_vision::{
-    Pass, attention_pieces, check_inputs, frames, max_rows, named, rotary,
+    Pass, attention_pieces, cast_magnitudes, check_inputs, frames, max_rows, named, rotary,
 };
 use crate::models::tower::{LoraTarget, PatchLayout, VisionOutput, VisionTower};
 use crate::nn::LoraLinear;
@@ -304,13 +304,7 @@ impl VisionTower for Qwen2VlVision {
     /// biases, the patch embedding), and beside them on the device their largest magnitudes
     /// (so a check of them all reads back once).
     fn cast_magnitudes(&self) -> (Vec<String>, Tensor<1>) {
-        let mut names = vec!["patch_embed.proj.weight".to_owned()];
-        let mut largest = vec![self.patch_embed_t.clone().abs().max()];
-        for (path, linear) in self.linears() {
-            names.extend([format!("{path}.weight"), format!("{path}.bias")]);
-            largest.push(linear.largest_magnitudes());
-        }
-        (names, Tensor::cat(largest, 0))
+        cast_magnitudes(&self.patch_embed_t, self.linears())
     }
 
     fn cast(self: Box<Self>, dtype: DType) -> Box<dyn VisionTower> {

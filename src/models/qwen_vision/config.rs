@@ -7,7 +7,7 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
 use crate::models::error::ConfigError;
-use crate::models::tower::LoraTarget;
+use crate::models::tower::{LoraTarget, PatchLayout};
 
 /// transformers' rotary base when a config gives none.
 pub const DEFAULT_ROPE_THETA: f32 = 10_000.0;
@@ -156,6 +156,41 @@ pub(crate) fn check_heads(key: &str, width: usize, heads: usize) -> Result<(), S
             "{key} {width} over {heads} heads does not give a head width divisible by 4"
         ))
     }
+}
+
+/// How a `vision_config` gives its patches: as the hub (`in_chans`, `spatial_patch_size`) or
+/// transformers (`in_channels`, `patch_size`) spells them (hub files carry both patch
+/// spellings), transformers' defaults where absent.
+#[derive(Deserialize)]
+pub(crate) struct PatchFields {
+    in_channels: Option<usize>,
+    in_chans: Option<usize>,
+    patch_size: Option<usize>,
+    spatial_patch_size: Option<usize>,
+    spatial_merge_size: Option<usize>,
+    temporal_patch_size: Option<usize>,
+}
+
+impl PatchFields {
+    /// The layout these fields give.
+    pub(crate) fn layout(&self) -> PatchLayout {
+        PatchLayout {
+            in_channels: self.in_channels.or(self.in_chans).unwrap_or(3),
+            patch_size: self.patch_size.or(self.spatial_patch_size).unwrap_or(14),
+            spatial_merge_size: self.spatial_merge_size.unwrap_or(2),
+            temporal_patch_size: self.temporal_patch_size.unwrap_or(2),
+        }
+    }
+}
+
+/// `layout`'s sizes with the largest each may be, for [`check_sizes`].
+pub(crate) fn patch_sizes(layout: PatchLayout) -> [(&'static str, usize, usize); 4] {
+    [
+        ("in_channels", layout.in_channels, 16),
+        ("patch_size", layout.patch_size, 256),
+        ("spatial_merge_size", layout.spatial_merge_size, 16),
+        ("temporal_patch_size", layout.temporal_patch_size, 16),
+    ]
 }
 
 /// The rotary embedding's fields of a `vision_config`: transformers takes `rope_scaling` over

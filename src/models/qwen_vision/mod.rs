@@ -86,6 +86,22 @@ pub(crate) fn named<T, const N: usize>(
     blocks.chain(MERGER_LINEARS.map(str::to_owned).into_iter().zip(merger))
 }
 
+/// The checkpoint name of the patch embedding and of every linear's weight and bias (`linears`
+/// by path), and beside them on the device their largest magnitudes: what
+/// [`crate::models::VisionTower::cast_magnitudes`] returns.
+pub(crate) fn cast_magnitudes<'a>(
+    patch_embed_t: &Tensor<2>,
+    linears: impl Iterator<Item = (String, &'a LoraLinear)>,
+) -> (Vec<String>, Tensor<1>) {
+    let mut names = vec!["patch_embed.proj.weight".to_owned()];
+    let mut largest = vec![patch_embed_t.clone().abs().max()];
+    for (path, linear) in linears {
+        names.extend([format!("{path}.weight"), format!("{path}.bias")]);
+        largest.push(linear.largest_magnitudes());
+    }
+    (names, Tensor::cat(largest, 0))
+}
+
 /// Each frame of each image, in rows: the segments full attention keeps apart.
 pub(crate) fn frames(grids: &[[usize; 3]]) -> Vec<usize> {
     grids
