@@ -247,33 +247,47 @@ def write_frames(expected, generator, run, patch_len):
     expected["frames.embeds"] = embeds.contiguous()
 
 
-def qwen2_vl():
-    if ROOT.exists():
-        shutil.rmtree(ROOT)
-    ROOT.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(1234)
+def start_family(root, seed, config_class, model_class, vision, lm_hidden, architecture, model_type):
+    """A family's folder from scratch: its tiny tower with seeded weights, the checkpoint, a
+    hub-style `config.json` (`in_chans`; `spatial_patch_size` beside `patch_size` where the
+    family's hub files carry both), the processor's settings and the seeded adapters. Returns
+    the generator (for draws after these), the tower, the processor and the PEFT model."""
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(seed)
 
-    config = Qwen2VLVisionConfig(**VISION)
+    config = config_class(**vision)
     config._attn_implementation = "eager"
-    visual = Qwen2VisionTransformerPretrainedModel(config).eval()
+    visual = model_class(config).eval()
     seeded_weights(visual, generator)
     holder = Holder(visual)
-    write_checkpoint(ROOT, visual, VISION["hidden_size"])
-    hub_vision = dict(VISION)
+    write_checkpoint(root, visual, lm_hidden)
+    hub_vision = dict(vision)
     hub_vision["in_chans"] = hub_vision.pop("in_channels")  # the hub's spelling
-    (ROOT / "config.json").write_text(
+    if model_type == "qwen2_5_vl":
+        hub_vision["spatial_patch_size"] = hub_vision["patch_size"]
+    (root / "config.json").write_text(
         json.dumps(
             {
-                "architectures": ["Qwen2VLForConditionalGeneration"],
-                "model_type": "qwen2_vl",
-                "hidden_size": VISION["hidden_size"],
+                "architectures": [architecture],
+                "model_type": model_type,
+                "hidden_size": lm_hidden,
                 "vision_config": hub_vision,
             },
             indent=2,
         )
     )
     processor = Qwen2VLImageProcessorPil(**PREPROCESSOR)
-    processor.save_pretrained(ROOT)
+    processor.save_pretrained(root)
+    return generator, visual, processor, holder
+
+
+def qwen2_vl():
+    generator, visual, processor, holder = start_family(
+        ROOT, 1234, Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel, VISION,
+        VISION["hidden_size"], "Qwen2VLForConditionalGeneration", "qwen2_vl",
+    )
     peft_model = write_adapters(ROOT, holder, ADAPTERS, generator)
 
     def run(adapter, pixel_values, grid):
@@ -288,33 +302,10 @@ def qwen2_vl():
 def qwen2_5_vl():
     """Qwen2.5-VL: RMSNorm, SwiGLU and window attention. Its tower's `last_hidden_state` is in
     window order; the fixture puts it back in the processor's order, as mmlora returns it."""
-    if ROOT_25.exists():
-        shutil.rmtree(ROOT_25)
-    ROOT_25.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(2525)
-
-    config = Qwen2_5_VLVisionConfig(**VISION_25)
-    config._attn_implementation = "eager"
-    visual = Qwen2_5_VisionTransformerPretrainedModel(config).eval()
-    seeded_weights(visual, generator)
-    holder = Holder(visual)
-    write_checkpoint(ROOT_25, visual, VISION_25["out_hidden_size"])
-    hub_vision = dict(VISION_25)
-    hub_vision["in_chans"] = hub_vision.pop("in_channels")  # the hub's spelling
-    hub_vision["spatial_patch_size"] = hub_vision["patch_size"]
-    (ROOT_25 / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-                "model_type": "qwen2_5_vl",
-                "hidden_size": VISION_25["out_hidden_size"],
-                "vision_config": hub_vision,
-            },
-            indent=2,
-        )
+    generator, visual, processor, holder = start_family(
+        ROOT_25, 2525, Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel, VISION_25,
+        VISION_25["out_hidden_size"], "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl",
     )
-    processor = Qwen2VLImageProcessorPil(**PREPROCESSOR)
-    processor.save_pretrained(ROOT_25)
     peft_model = write_adapters(ROOT_25, holder, ADAPTERS_25, generator)
     merge_unit = VISION_25["spatial_merge_size"] ** 2
 
