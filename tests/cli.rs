@@ -6,7 +6,7 @@ mod common;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::{Expected, errors, fixture_dir, requests};
+use common::{Expected, errors, family_dir, fixture_dir, requests, requests_in};
 use safetensors::SafeTensors;
 
 fn mmlora(args: &[&str]) -> Output {
@@ -49,13 +49,31 @@ fn read_tensor(bytes: &[u8], name: &str) -> Vec<f64> {
     }
 }
 
-/// Checks `file`'s `{id}.tower` / `{id}.embeds` against the fixture outputs of `fixture_id`.
-fn assert_output_matches(file: &Path, id: &str, fixture_id: &str, rel_tol: f64) {
+/// Checks `file`'s `{id}.tower`, `{id}.embeds` and, where the reference has them,
+/// `{id}.deepstack` against `expected`'s outputs of `fixture_id`.
+fn assert_output_matches(
+    file: &Path,
+    expected: &Expected,
+    id: &str,
+    fixture_id: &str,
+    rel_tol: f64,
+) {
     let written = std::fs::read(file).unwrap();
-    let expected = Expected::load();
-    for part in ["tower", "embeds"] {
+    let names: Vec<String> = SafeTensors::deserialize(&written)
+        .unwrap()
+        .names()
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    for part in ["tower", "embeds", "deepstack"] {
+        let key = format!("{fixture_id}.{part}");
+        let has = names.contains(&format!("{id}.{part}"));
+        assert_eq!(has, expected.has(&key), "{id}.{part} written");
+        if !has {
+            continue;
+        }
         let actual = read_tensor(&written, &format!("{id}.{part}"));
-        let (want, _) = expected.f32(&format!("{fixture_id}.{part}"));
+        let (want, _) = expected.f32(&key);
         let (rel, worst) = errors(&actual, &want);
         assert!(
             rel <= rel_tol && worst <= 1e-4,
@@ -64,13 +82,18 @@ fn assert_output_matches(file: &Path, id: &str, fixture_id: &str, rel_tol: f64) 
     }
 }
 
-/// `encode --batch` over the fixture batch on `device`, checked against transformers + PEFT.
-fn batch_reproduces_fixtures(device: &str, extra: &[&str], rel_tol: f64) {
+/// `encode --batch` over the fixture batch of `family` on `device`, checked against
+/// transformers + PEFT.
+fn batch_reproduces_fixtures(family: &str, device: &str, extra: &[&str], rel_tol: f64) {
     let dir = tempfile::TempDir::new().unwrap();
     let out = dir.path().join("out.safetensors");
-    let batch = fixture("batch.json");
+    let fixtures = family_dir(family);
+    let batch = fixtures.join("batch.json").display().to_string();
+    let model = fixtures.display().to_string();
     let mut args = vec![
         "encode",
+        "--model",
+        &model,
         "--batch",
         &batch,
         "--with-tower",
@@ -81,7 +104,8 @@ fn batch_reproduces_fixtures(device: &str, extra: &[&str], rel_tol: f64) {
     ];
     args.extend_from_slice(extra);
     let stdout = assert_success(&mmlora(&args));
-    for request in requests() {
+    let expected = Expected::load_from(&fixtures);
+    for request in requests_in(&fixtures) {
         assert!(
             stdout
                 .lines()
@@ -89,9 +113,12 @@ fn batch_reproduces_fixtures(device: &str, extra: &[&str], rel_tol: f64) {
             "no summary line for {} in {stdout}",
             request.id
         );
-        assert_output_matches(&out, &request.id, &request.id, rel_tol);
+        assert_output_matches(&out, &expected, &request.id, &request.id, rel_tol);
     }
 }
+
+/// The model families with fixtures, as `assets/tiny-<family>/` names them.
+const FAMILIES: [&str; 3] = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"];
 
 /// `encode` with no arguments, from a copy of the binary in a folder of its own, run from
 /// there: the bundled model, adapters, images and batch are inside the binary, not found
@@ -130,10 +157,12 @@ fn encode_without_arguments_runs_the_bundled_batch() {
 
 #[test]
 fn encode_batch_reproduces_the_fixtures_on_cpu() {
-    // Tolerance: rel. Frobenius 1e-5, max abs 1e-4 (the model issue's CPU bounds).
-    batch_reproduces_fixtures("cpu", &[], 1e-5);
+    for family in FAMILIES {
+        // Tolerance: rel. Frobenius 1e-5, max abs 1e-4 (the model issue's CPU bounds).
+        batch_reproduces_fixtures(family, "cpu", &[], 1e-5);
+    }
     // One slot for four adapters: four steps, the same numbers.
-    batch_reproduces_fixtures("cpu", &["--max-loras", "1"], 1e-5);
+    batch_reproduces_fixtures("qwen2-vl", "cpu", &["--max-loras", "1"], 1e-5);
 }
 
 #[test]
@@ -141,8 +170,10 @@ fn encode_batch_reproduces_the_fixtures_on_gpu() {
     if mmlora::runtime::device::gpu_for_tests().is_none() {
         return;
     }
-    // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4.
-    batch_reproduces_fixtures("gpu", &[], 1e-4);
+    for family in FAMILIES {
+        // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4.
+        batch_reproduces_fixtures(family, "gpu", &[], 1e-4);
+    }
 }
 
 #[test]
@@ -165,7 +196,7 @@ fn encode_images_with_one_adapter() {
     assert!(stdout.contains("square.png#2:"), "{stdout}");
     // request0 of the fixtures is square.png with all-r4.
     for id in ["square.png", "square.png#2"] {
-        assert_output_matches(&out, id, "request0", 1e-5);
+        assert_output_matches(&out, &Expected::load(), id, "request0", 1e-5);
     }
 }
 

@@ -1,8 +1,9 @@
 """Writes the reference fixtures under assets/tiny-<family>/ with the real thing:
-transformers' vision towers (Qwen2-VL, Qwen2.5-VL), PEFT adapters, and the PIL image processor.
+transformers' vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), PEFT adapters, and the PIL image
+processor.
 
     python3 -m venv .venv && .venv/bin/pip install -r tools/requirements.txt
-    .venv/bin/python tools/make_fixtures.py [qwen2-vl] [qwen2.5-vl]
+    .venv/bin/python tools/make_fixtures.py [qwen2-vl] [qwen2.5-vl] [qwen3-vl]
 
 With no family named, every family is written. Everything is built from configs with fixed
 seeds; nothing is fetched from a hub. Each family's draws come from its own generator, so one
@@ -26,6 +27,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.vision_utils import get_vision_window_index
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -109,6 +112,54 @@ ADAPTERS_25 = {
     ),
 }
 
+ROOT_3 = ASSETS / "tiny-qwen3-vl"
+
+# Four blocks, two of them feeding deepstack mergers; a learned position table of 5×5, which
+# every fixture grid (even sides, from 2 to 8 patches) needs interpolated, up or down.
+VISION_3 = dict(
+    depth=4,
+    hidden_size=32,
+    hidden_act="gelu_pytorch_tanh",
+    intermediate_size=48,
+    num_heads=2,
+    in_channels=3,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=40,
+    num_position_embeddings=25,
+    deepstack_visual_indexes=[1, 2],
+)
+# Qwen3-VL's processor settings (patch 16, mean and std 0.5, `size` in pixels), scaled down.
+PREPROCESSOR_3 = dict(
+    size={"shortest_edge": 32 * 32 * 2, "longest_edge": 32 * 32 * 12},
+    patch_size=16,
+    merge_size=2,
+    temporal_patch_size=2,
+    image_mean=[0.5, 0.5, 0.5],
+    image_std=[0.5, 0.5, 0.5],
+)
+
+# Qwen3-VL's kinds of adapter: `linear_fc1` names the blocks', the merger's and the deepstack
+# mergers' first linears alike; one adapter on the deepstack mergers alone.
+ADAPTERS_3 = {
+    "all-r4": dict(r=4, lora_alpha=8, target_modules=["qkv", "attn.proj", "linear_fc1", "linear_fc2"]),
+    "rslora-r8": dict(
+        r=8, lora_alpha=4, use_rslora=True, target_modules=["qkv", "mlp.linear_fc2", "merger.linear_fc2"]
+    ),
+    "tower-r2": dict(r=2, lora_alpha=2, target_modules=r".*visual\.blocks\.\d+\.(attn\.qkv|mlp\.linear_fc1)"),
+    "patterns": dict(
+        r=4,
+        lora_alpha=4,
+        target_modules=["attn.proj", "linear_fc1"],
+        rank_pattern={"mlp.linear_fc1": 6},
+        alpha_pattern={"merger.linear_fc1": 12},
+    ),
+    "deepstack-r4": dict(r=4, lora_alpha=4, target_modules=r".*visual\.deepstack_merger_list\.\d+\.linear_fc[12]"),
+}
+# The other families' batch and a request on the deepstack adapter.
+REQUESTS_3 = REQUESTS + [("wide.jpg", "deepstack-r4")]
+
 
 class Holder(torch.nn.Module):
     """Gives the tower transformers' key layout: `model.visual.*`."""
@@ -123,8 +174,10 @@ def seeded_weights(visual, generator):
     """Weights large enough that a wrong bias, norm or rotary visibly moves the output."""
     with torch.no_grad():
         for name, p in visual.named_parameters():
-            if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("ln_q.weight"):
+            if name.endswith(("norm1.weight", "norm2.weight", "ln_q.weight", "norm.weight")):
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=generator))
+            elif name == "pos_embed.weight":
+                p.copy_(0.5 * torch.randn(p.shape, generator=generator))
             elif name.endswith(".bias"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=generator))
             else:
@@ -208,26 +261,26 @@ def run_tower(visual, peft_model, adapter, pixel_values, grid):
         return visual(pixel_values, grid_thw=grid)
 
 
-def write_requests(root, processor, run, adapters):
-    """Images, the processor's output and each request's tower and connector outputs (`run`:
-    `(adapter, pixel_values, grid)` → `(tower, embeds)`), and the mixed batch file."""
+def write_requests(root, processor, run, adapters, requests=REQUESTS):
+    """Images, the processor's output and each request's outputs (`run`: `(adapter,
+    pixel_values, grid)` → `{"tower": …, "embeds": …}`, and any other output the family has),
+    and the mixed batch file."""
     write_images(root / "images")
     expected = {}
-    for i, (file, adapter) in enumerate(REQUESTS):
+    for i, (file, adapter) in enumerate(requests):
         image = Image.open(root / "images" / file)
         batch = processor(images=[image], return_tensors="pt")
         pixel_values, grid = batch["pixel_values"], batch["image_grid_thw"]
         expected[f"{file}.pixel_values"] = pixel_values.contiguous()
         expected[f"{file}.image_grid_thw"] = grid.contiguous()
-        tower, embeds = run(adapter, pixel_values, grid)
-        expected[f"request{i}.tower"] = tower.contiguous()
-        expected[f"request{i}.embeds"] = embeds.contiguous()
+        for output, value in run(adapter, pixel_values, grid).items():
+            expected[f"request{i}.{output}"] = value.contiguous()
     # The mixed batch in `mmlora encode --batch` form (paths relative to this file).
     batch = {
         "adapters": {name: f"adapters/{name}" for name in adapters},
         "requests": [
             {"id": f"request{i}", "image": f"images/{f}", "adapter": a}
-            for i, (f, a) in enumerate(REQUESTS)
+            for i, (f, a) in enumerate(requests)
         ],
     }
     (root / "batch.json").write_text(json.dumps(batch, indent=2) + "\n")
@@ -240,18 +293,22 @@ def write_frames(expected, generator, run, patch_len):
     fixtures do not move."""
     grid = torch.tensor([[2, 4, 6]])
     pixel_values = torch.randn(2 * 4 * 6, patch_len, generator=generator)
-    tower, embeds = run("all-r4", pixel_values, grid)
+    outputs = run("all-r4", pixel_values, grid)
     expected["frames.pixel_values"] = pixel_values.contiguous()
     expected["frames.image_grid_thw"] = grid.contiguous()
-    expected["frames.tower"] = tower.contiguous()
-    expected["frames.embeds"] = embeds.contiguous()
+    for output, value in outputs.items():
+        expected[f"frames.{output}"] = value.contiguous()
 
 
-def start_family(root, seed, config_class, model_class, vision, lm_hidden, architecture, model_type):
+def start_family(
+    root, seed, config_class, model_class, vision, lm_hidden, architecture, model_type, processor=PREPROCESSOR
+):
     """A family's folder from scratch: its tiny tower with seeded weights, the checkpoint, a
-    hub-style `config.json` (`in_chans`; `spatial_patch_size` beside `patch_size` where the
-    family's hub files carry both), the processor's settings and the seeded adapters. Returns
-    the generator (for draws after these), the tower, the processor and the PEFT model."""
+    hub-style `config.json` (Qwen2-VL and Qwen2.5-VL: `in_chans`, and `spatial_patch_size`
+    beside `patch_size` where the family's hub files carry both, the language model's width at
+    the top; Qwen3-VL: transformers' names, the language model's fields under `text_config`),
+    the processor's settings (`processor`) and the seeded adapters. Returns the generator (for
+    draws after these), the tower, the processor and the PEFT model."""
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
@@ -264,21 +321,18 @@ def start_family(root, seed, config_class, model_class, vision, lm_hidden, archi
     holder = Holder(visual)
     write_checkpoint(root, visual, lm_hidden)
     hub_vision = dict(vision)
-    hub_vision["in_chans"] = hub_vision.pop("in_channels")  # the hub's spelling
+    hub = {"architectures": [architecture], "model_type": model_type}
+    if model_type == "qwen3_vl":
+        hub_vision["model_type"] = model_type  # as the released files have it
+        hub["text_config"] = {"hidden_size": lm_hidden, "model_type": "qwen3_vl_text"}
+    else:
+        hub_vision["in_chans"] = hub_vision.pop("in_channels")  # the hub's spelling
+        hub["hidden_size"] = lm_hidden
     if model_type == "qwen2_5_vl":
         hub_vision["spatial_patch_size"] = hub_vision["patch_size"]
-    (root / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": [architecture],
-                "model_type": model_type,
-                "hidden_size": lm_hidden,
-                "vision_config": hub_vision,
-            },
-            indent=2,
-        )
-    )
-    processor = Qwen2VLImageProcessorPil(**PREPROCESSOR)
+    hub["vision_config"] = hub_vision
+    (root / "config.json").write_text(json.dumps(hub, indent=2))
+    processor = Qwen2VLImageProcessorPil(**processor)
     processor.save_pretrained(root)
     return generator, visual, processor, holder
 
@@ -292,7 +346,7 @@ def qwen2_vl():
 
     def run(adapter, pixel_values, grid):
         out = run_tower(visual, peft_model, adapter, pixel_values, grid)
-        return out.last_hidden_state, out.pooler_output
+        return {"tower": out.last_hidden_state, "embeds": out.pooler_output}
 
     expected = write_requests(ROOT, processor, run, ADAPTERS)
     write_frames(expected, generator, run, 3 * VISION["temporal_patch_size"] * 14 * 14)
@@ -317,14 +371,37 @@ def qwen2_5_vl():
         hidden = out.last_hidden_state
         rows = hidden.shape[0]
         unpermuted = hidden.reshape(rows // merge_unit, merge_unit, -1)[torch.argsort(window_index)]
-        return unpermuted.reshape(rows, -1), out.pooler_output
+        return {"tower": unpermuted.reshape(rows, -1), "embeds": out.pooler_output}
 
     expected = write_requests(ROOT_25, processor, run, ADAPTERS_25)
     write_frames(expected, generator, run, 3 * VISION_25["temporal_patch_size"] * 14 * 14)
     save_file(expected, ROOT_25 / "expected.safetensors")
 
 
-FAMILIES = {"qwen2-vl": qwen2_vl, "qwen2.5-vl": qwen2_5_vl}
+def qwen3_vl():
+    """Qwen3-VL: LayerNorm blocks with a GELU-tanh MLP, a learned position table interpolated to
+    each grid, and deepstack mergers, whose outputs are concatenated along features as vLLM
+    does (`deepstack`)."""
+    generator, visual, processor, holder = start_family(
+        ROOT_3, 3333, Qwen3VLVisionConfig, Qwen3VLVisionModel, VISION_3, VISION_3["out_hidden_size"],
+        "Qwen3VLForConditionalGeneration", "qwen3_vl", PREPROCESSOR_3,
+    )
+    peft_model = write_adapters(ROOT_3, holder, ADAPTERS_3, generator)
+
+    def run(adapter, pixel_values, grid):
+        out = run_tower(visual, peft_model, adapter, pixel_values, grid)
+        return {
+            "tower": out.last_hidden_state,
+            "embeds": out.pooler_output,
+            "deepstack": torch.cat(out.deepstack_features, dim=1),
+        }
+
+    expected = write_requests(ROOT_3, processor, run, ADAPTERS_3, REQUESTS_3)
+    write_frames(expected, generator, run, 3 * VISION_3["temporal_patch_size"] * 16 * 16)
+    save_file(expected, ROOT_3 / "expected.safetensors")
+
+
+FAMILIES = {"qwen2-vl": qwen2_vl, "qwen2.5-vl": qwen2_5_vl, "qwen3-vl": qwen3_vl}
 
 
 def main():

@@ -113,8 +113,12 @@ pub fn run(args: EncodeArgs) -> Result<(), CliError> {
 fn summary_line(result: &Encoded, steps: usize) -> String {
     let tower_rows: usize = result.grid_thw.iter().product();
     let [embeds, hidden] = result.embeds.shape;
+    let deepstack = match &result.deepstack {
+        Some(d) => format!(", deepstack {} × {}", d.shape[0], d.shape[1]),
+        None => String::new(),
+    };
     format!(
-        "{}: {tower_rows} tower tokens → {embeds} embeddings × {hidden}, adapter {}, step {}/{steps} {:.1} ms",
+        "{}: {tower_rows} tower tokens → {embeds} embeddings × {hidden}{deepstack}, adapter {}, step {}/{steps} {:.1} ms",
         result.id,
         result.adapter.as_deref().unwrap_or("none"),
         result.step + 1,
@@ -208,12 +212,14 @@ fn write_results(
             embeds.shape.to_vec(),
             &embeds.values,
         ));
-        if let Some(tower) = &result.tower {
-            tensors.push(OutputTensor::f32(
-                format!("{}.tower", result.id),
-                tower.shape.to_vec(),
-                &tower.values,
-            ));
+        for (name, output) in [("tower", &result.tower), ("deepstack", &result.deepstack)] {
+            if let Some(output) = output {
+                tensors.push(OutputTensor::f32(
+                    format!("{}.{name}", result.id),
+                    output.shape.to_vec(),
+                    &output.values,
+                ));
+            }
         }
         metadata.insert(
             format!("{}.adapter", result.id),

@@ -120,6 +120,9 @@ pub struct Encoded {
     pub embeds: HostTensor,
     /// The tower's output `[tower rows, embed_dim]`, when asked for.
     pub tower: Option<HostTensor>,
+    /// The deepstack mergers' outputs side by side, `[tower rows / merge², k · hidden_size]`,
+    /// where the model has them (Qwen3-VL).
+    pub deepstack: Option<HostTensor>,
     /// The scheduler step (0-based) the request ran in.
     pub step: usize,
     /// How long that step took: its adapters restacked into the GPU slots where they changed,
@@ -576,7 +579,7 @@ impl Engine {
             .flat_map(|&i| patches[i].pixel_values.iter().copied())
             .collect();
         let rows = pixels.len() / self.model.layout().patch_len();
-        let (embeds, tower) = self.run_keeping_slots(&activation, pixels, &grids, with_tower)?;
+        let outputs = self.run_keeping_slots(&activation, pixels, &grids, with_tower)?;
         let step_time = started.elapsed();
         tracing::debug!(
             step,
@@ -589,8 +592,7 @@ impl Engine {
         let outputs = StepOutputs {
             step,
             step_time,
-            embeds,
-            tower,
+            outputs,
         };
         self.split(outputs, members, requests, patches)
     }
@@ -657,7 +659,7 @@ impl Engine {
         pixels: Vec<f32>,
         grids: &[[usize; 3]],
         with_tower: bool,
-    ) -> Result<(HostTensor, Option<HostTensor>), EngineError> {
+    ) -> Result<HostOutputs, EngineError> {
         let before = (
             self.slots.clone(),
             self.slot_used.clone(),
@@ -687,8 +689,12 @@ impl Engine {
         let StepOutputs {
             step,
             step_time,
-            embeds,
-            tower,
+            outputs:
+                HostOutputs {
+                    embeds,
+                    tower,
+                    deepstack,
+                },
         } = outputs;
         let mut start = 0;
         members
@@ -696,12 +702,15 @@ impl Engine {
             .map(|&i| {
                 let rows = patches[i].rows();
                 let tower = tower.as_ref().map(|t| t.rows(start, rows));
-                let embeds = embeds.rows(start / (merge * merge), rows / (merge * merge));
+                let merged = (start / (merge * merge), rows / (merge * merge));
+                let embeds = embeds.rows(merged.0, merged.1);
+                let deepstack = deepstack.as_ref().map(|d| d.rows(merged.0, merged.1));
                 start += rows;
                 let request = &requests[i].id;
                 for (output, values) in [
                     ("embeddings", Some(&embeds)),
                     ("tower outputs", tower.as_ref()),
+                    ("deepstack outputs", deepstack.as_ref()),
                 ] {
                     if let Some((row, value)) = values.and_then(HostTensor::first_not_finite) {
                         return Err(EngineError::NotFinite {
@@ -719,6 +728,7 @@ impl Engine {
                     grid_thw: patches[i].grid_thw,
                     embeds,
                     tower,
+                    deepstack,
                     step,
                     step_time,
                 })
@@ -733,7 +743,7 @@ impl Engine {
         pixels: Vec<f32>,
         grids: &[[usize; 3]],
         with_tower: bool,
-    ) -> Result<(HostTensor, Option<HostTensor>), EngineError> {
+    ) -> Result<HostOutputs, EngineError> {
         let activated =
             self.activate(&activation.adapters.iter().map(|a| a.id).collect::<Vec<_>>());
         self.classify(activated)?;
@@ -758,7 +768,7 @@ impl Engine {
         tower_meta: KernelMeta,
         connector_meta: KernelMeta,
         with_tower: bool,
-    ) -> Result<(HostTensor, Option<HostTensor>), EngineError> {
+    ) -> Result<HostOutputs, EngineError> {
         let on = &self.device.device;
         let rows = pixels.len() / self.model.layout().patch_len();
         let pixels = Tensor::<2>::from_data(
@@ -771,9 +781,11 @@ impl Engine {
             &LoraBatch::with_kernels(tower_meta, &self.device, self.model.kernels().lora),
             &LoraBatch::with_kernels(connector_meta, &self.device, self.model.kernels().lora),
         )?;
-        let embeds = read_back(output.embeds)?;
-        let tower = with_tower.then(|| read_back(output.tower)).transpose()?;
-        Ok((embeds, tower))
+        Ok(HostOutputs {
+            embeds: read_back(output.embeds)?,
+            tower: with_tower.then(|| read_back(output.tower)).transpose()?,
+            deepstack: output.deepstack.map(read_back).transpose()?,
+        })
     }
 
     /// A step's device work's result, with an [`EngineError::Execution`] classified by
@@ -1013,12 +1025,18 @@ fn read_back(tensor: Tensor<2>) -> Result<HostTensor, EngineError> {
     Ok(HostTensor { shape, values })
 }
 
+/// A forward pass's outputs in host memory.
+struct HostOutputs {
+    embeds: HostTensor,
+    tower: Option<HostTensor>,
+    deepstack: Option<HostTensor>,
+}
+
 /// What one step's forward pass gave, before it is split per request.
 struct StepOutputs {
     step: usize,
     step_time: Duration,
-    embeds: HostTensor,
-    tower: Option<HostTensor>,
+    outputs: HostOutputs,
 }
 
 /// Runs device work; a fault inside Burn or the driver may surface as a panic, and becomes an

@@ -62,6 +62,9 @@ pub struct VisionOutput {
     pub tower: Tensor<2>,
     /// `[tower rows / merge², hidden_size]`: the connector's output.
     pub embeds: Tensor<2>,
+    /// `[tower rows / merge², k · hidden_size]`: the outputs of a tower's `k` deepstack
+    /// mergers side by side, in their order (Qwen3-VL's; `None` where the tower has none).
+    pub deepstack: Option<Tensor<2>>,
 }
 
 /// A vision tower and its connector, with a LoRA slot table on every target linear: what the

@@ -1,6 +1,8 @@
 //! The sigmoid-gated activations `x · sigmoid(s · x)` as a backend extension: QuickGELU (s =
-//! 1.702, the MLP activation of Qwen2-VL's vision blocks) and SiLU (s = 1, Qwen2.5-VL's, in its
-//! gated MLP [`swiglu`]); and GELU (the mergers') in f32 whatever the dtype.
+//! 1.702, the MLP activation of Qwen2-VL's vision blocks), SiLU (s = 1, Qwen2.5-VL's, in its
+//! gated MLP [`swiglu`]) and GELU's tanh approximation (Qwen3-VL's, `x · sigmoid(2k · (x +
+//! 0.044715 x³))` with k = √(2/π), which is `x/2 · (1 + tanh(k · (x + 0.044715 x³)))`); and
+//! GELU (the mergers') in f32 whatever the dtype.
 //!
 //! Composed from Burn's ops QuickGELU is three passes over the MLP's widest activation, and on Flex (the
 //! CPU backend) each of them runs on one core with a scalar `exp`: about 60 ms per block at 2048
@@ -25,6 +27,12 @@ pub const QUICK_GELU_SLOPE: f32 = 1.702;
 /// SiLU's slope: `x · sigmoid(x)`.
 pub const SILU_SLOPE: f32 = 1.0;
 
+/// GELU-tanh's gate slope, 2·√(2/π): `0.5 · (1 + tanh(z)) = sigmoid(2z)`.
+pub const GELU_TANH_SLOPE: f32 = 2.0 * 0.797_884_6;
+
+/// GELU-tanh's cubic coefficient.
+pub const GELU_TANH_CUBIC: f32 = 0.044_715;
+
 /// Values per rayon task: a few hundred KiB, enough to hide the task's overhead.
 const CHUNK: usize = 1 << 16;
 
@@ -42,11 +50,25 @@ pub trait ActivationBackend: Backend {
     fn silu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         composed::<Self>(x, SILU_SLOPE)
     }
+
+    /// `x · sigmoid(2k · (x + 0.044715 x³))` (GELU's tanh approximation), element-wise.
+    #[fusion(default)]
+    fn gelu_tanh(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        composed_gelu_tanh::<Self>(x)
+    }
 }
 
 /// `x · sigmoid(slope · x)` from Burn's element-wise ops, on any backend.
 pub fn composed<B: Backend>(x: FloatTensor<B>, slope: f32) -> FloatTensor<B> {
     let gate = B::sigmoid(B::float_mul_scalar(x.clone(), slope.into()));
+    B::float_mul(x, gate)
+}
+
+/// GELU-tanh from Burn's element-wise ops, on any backend.
+pub fn composed_gelu_tanh<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    let cube = B::float_mul(B::float_mul(x.clone(), x.clone()), x.clone());
+    let inner = B::float_add(x.clone(), B::float_mul_scalar(cube, GELU_TANH_CUBIC.into()));
+    let gate = B::sigmoid(B::float_mul_scalar(inner, GELU_TANH_SLOPE.into()));
     B::float_mul(x, gate)
 }
 
@@ -60,6 +82,14 @@ pub fn quick_gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 /// SiLU of `x` on the backend of its device.
 pub fn silu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     Tensor::from_dispatch(<Dispatch as ActivationBackend>::silu(x.into_dispatch()))
+}
+
+/// GELU-tanh (`gelu_pytorch_tanh`, Qwen3-VL's MLP activation) of `x` on the backend of its
+/// device, computed in f32 whatever `x`'s dtype, as PyTorch computes it in half precision.
+pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    let dtype = x.dtype();
+    let y = <Dispatch as ActivationBackend>::gelu_tanh(x.cast(DType::F32).into_dispatch());
+    Tensor::<D>::from_dispatch(y).cast(dtype)
 }
 
 /// The gated MLP's activation (SwiGLU): `silu(gate) · up`, element-wise.
@@ -80,24 +110,38 @@ impl ActivationBackend for CubeBackend {}
 
 impl ActivationBackend for Flex {
     fn quick_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        gated_on_flex(x, QUICK_GELU_SLOPE)
+        in_place_on_flex(
+            x,
+            |x| composed::<Flex>(x, QUICK_GELU_SLOPE),
+            |values| gated_in_place(values, QUICK_GELU_SLOPE),
+        )
     }
 
     fn silu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        gated_on_flex(x, SILU_SLOPE)
+        in_place_on_flex(
+            x,
+            |x| composed::<Flex>(x, SILU_SLOPE),
+            |values| gated_in_place(values, SILU_SLOPE),
+        )
+    }
+
+    fn gelu_tanh(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        in_place_on_flex(x, composed_gelu_tanh::<Flex>, gelu_tanh_in_place)
     }
 }
 
-/// `x · sigmoid(slope · x)` on Flex: f32 in one parallel pass, in place when `x` is not shared;
-/// other dtypes composed.
-fn gated_on_flex(x: FloatTensor<Flex>, slope: f32) -> FloatTensor<Flex> {
+/// An activation on Flex: f32 in one parallel pass of `pass` over chunks, in place when `x` is
+/// not shared; other dtypes by `composed`.
+fn in_place_on_flex(
+    x: FloatTensor<Flex>,
+    composed: impl FnOnce(FloatTensor<Flex>) -> FloatTensor<Flex>,
+    pass: impl Fn(&mut [f32]) + Sync + Send,
+) -> FloatTensor<Flex> {
     if x.dtype() != DType::F32 {
-        return composed::<Flex>(x, slope);
+        return composed(x);
     }
     let mut y = dense(x);
-    values_mut(&mut y)
-        .par_chunks_mut(CHUNK)
-        .for_each(|values| gated_in_place(values, slope));
+    values_mut(&mut y).par_chunks_mut(CHUNK).for_each(pass);
     y
 }
 
@@ -111,40 +155,63 @@ fn gated_in_place(values: &mut [f32], slope: f32) {
     }
 }
 
+/// GELU-tanh over `values` as `x / (1 + exp(−2k · (x + 0.044715 x³)))`, in SIMD lanes, with
+/// the limits of [`gated_in_place`] (a cube overflowing to ±∞ gives `x` or −0).
+#[multiversion(targets = "simd")]
+fn gelu_tanh_in_place(values: &mut [f32]) {
+    for x in values {
+        let inner = *x + GELU_TANH_CUBIC * (*x * *x * *x);
+        *x /= 1.0 + exp(-GELU_TANH_SLOPE * inner);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::runtime::device;
     use burn::tensor::{Distribution, TensorData};
 
-    /// `x · sigmoid(slope · x)` in float64, value by value.
-    fn reference(values: &[f32], slope: f32) -> Vec<f64> {
-        values
-            .iter()
-            .map(|&x| {
-                let x = f64::from(x);
-                x / (1.0 + (-f64::from(slope) * x).exp())
-            })
-            .collect()
+    /// An activation `x · sigmoid(z(x))` under test: the op, its gate's argument `z` in
+    /// float64, and how many roundings f32 makes computing `z` (each moves `exp`'s argument by
+    /// up to |z|·ε, which `exp` turns into that relative error).
+    struct Gated {
+        op: fn(Tensor<1>) -> Tensor<1>,
+        z: fn(f64) -> f64,
+        roundings: f64,
     }
 
-    /// An activation of a 1-D tensor.
-    type Activation = fn(Tensor<1>) -> Tensor<1>;
+    const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 
-    /// The activations with their slopes.
-    const GATED: [(Activation, f32); 2] =
-        [(quick_gelu::<1>, QUICK_GELU_SLOPE), (silu::<1>, SILU_SLOPE)];
+    const GATED: [Gated; 3] = [
+        Gated {
+            op: quick_gelu::<1>,
+            z: |x| 1.702 * x,
+            roundings: 1.0,
+        },
+        Gated {
+            op: silu::<1>,
+            z: |x| x,
+            roundings: 1.0,
+        },
+        // The cube (2), the products with the cubic's coefficient and the slope, the sum, and
+        // the f32 slope itself.
+        Gated {
+            op: gelu_tanh::<1>,
+            z: |x| 2.0 * SQRT_2_OVER_PI * (x + 0.044715 * x * x * x),
+            roundings: 6.0,
+        },
+    ];
 
     /// Flex's pass against float64 over the range that matters and past both ends, with a
     /// length that leaves a remainder after the 8-value lanes and spans several rayon tasks.
     #[test]
     fn flex_matches_float64() {
-        for (activation, slope) in GATED {
-            check_flex(activation, slope);
+        for gated in GATED {
+            check_flex(&gated);
         }
     }
 
-    fn check_flex(activation: Activation, slope: f32) {
+    fn check_flex(gated: &Gated) {
         let cpu = device::cpu();
         let n = 3 * CHUNK + 5;
         let x = Tensor::<2>::random([n, 1], Distribution::Uniform(-12.0, 12.0), &cpu.device);
@@ -152,25 +219,33 @@ mod tests {
         values.extend([
             0.0, -0.0, 1e-30, -1e-30, 40.0, -40.0, 60.0, -60.0, 100.0, -100.0,
         ]);
-        let expected = reference(&values, slope);
         let len = values.len();
         let x = Tensor::<1>::from_data(TensorData::new(values.clone(), [len]), &cpu.device);
-        let y = activation(x).into_data().try_to_vec::<f32>().unwrap();
+        let y = (gated.op)(x).into_data().try_to_vec::<f32>().unwrap();
         let epsilon = f64::from(f32::EPSILON);
-        for ((&x, &y), &expected) in values.iter().zip(&y).zip(&expected) {
+        for (&x, &y) in values.iter().zip(&y) {
+            let z = (gated.z)(f64::from(x));
+            let expected = f64::from(x) / (1.0 + (-z).exp());
             let error = (f64::from(y) - expected).abs();
+            if -z >= f64::from(f32::MAX).ln() {
+                // exp(−z) overflows f32 (GELU-tanh from x ≈ −10 on, where the value is still
+                // normal): the quotient flushes to ±0, off by |x| / (1 + exp(−z)) < |x| / MAX.
+                let bound = f64::from(x).abs() / f64::from(f32::MAX);
+                assert!(error <= bound, "x = {x}: {y} vs {expected}");
+                continue;
+            }
             if expected.abs() < f64::from(f32::MIN_POSITIVE) {
-                // Below f32's normal range (x · exp(slope · x) under 2⁻¹²⁶): flushing towards
-                // zero is all f32 can do.
+                // Below f32's normal range (x · exp(z) under 2⁻¹²⁶): flushing towards zero is
+                // all f32 can do.
                 assert!(
                     error < f64::from(f32::MIN_POSITIVE),
                     "x = {x}: {y} vs {expected}"
                 );
                 continue;
             }
-            // Tolerance: rounding slope·x moves exp's argument by |slope·x|·ε, which exp turns
-            // into that relative error; exp's own (≤ 2 ulp), the add and the divide add 4 ε.
-            let bound = (f64::from(slope * x).abs() + 4.0) * epsilon * expected.abs();
+            // Tolerance: the roundings of z, times |z| (what exp makes of them); exp's own
+            // (≤ 2 ulp), the add and the divide add 4 ε.
+            let bound = (gated.roundings * z.abs() + 4.0) * epsilon * expected.abs();
             assert!(
                 error <= bound,
                 "x = {x}: {y} vs {expected} (bound {bound:e})"
@@ -179,7 +254,7 @@ mod tests {
         assert_eq!(
             y[len - 1].to_bits(),
             (-0.0f32).to_bits(),
-            "x · sigmoid({slope} · x) at −100 is −0"
+            "the activation at −100 is −0"
         );
     }
 
@@ -190,15 +265,24 @@ mod tests {
         let cpu = device::cpu();
         let x = Tensor::<2>::random([96, 40], Distribution::Uniform(-8.0, 8.0), &cpu.device);
         let before = x.clone().into_data();
+        let on_flex = |x: Tensor<2>, composed: &dyn Fn(FloatTensor<Flex>) -> FloatTensor<Flex>| {
+            Tensor::<2>::from_primitive::<Flex>(composed(x.try_into_primitive::<Flex>().unwrap()))
+        };
         for input in [x.clone(), x.clone().transpose()] {
-            for (slope, flex) in [
-                (QUICK_GELU_SLOPE, quick_gelu(input.clone())),
-                (SILU_SLOPE, silu(input.clone())),
+            for (flex, expected) in [
+                (
+                    quick_gelu(input.clone()),
+                    on_flex(input.clone(), &|x| composed::<Flex>(x, QUICK_GELU_SLOPE)),
+                ),
+                (
+                    silu(input.clone()),
+                    on_flex(input.clone(), &|x| composed::<Flex>(x, SILU_SLOPE)),
+                ),
+                (
+                    gelu_tanh(input.clone()),
+                    on_flex(input.clone(), &composed_gelu_tanh::<Flex>),
+                ),
             ] {
-                let expected = Tensor::<2>::from_primitive::<Flex>(composed::<Flex>(
-                    input.clone().try_into_primitive::<Flex>().unwrap(),
-                    slope,
-                ));
                 // Tolerance: two f32 evaluations of the same value, each within a few ulp.
                 flex.into_data().assert_approx_eq::<f32>(
                     &expected.into_data(),

@@ -15,7 +15,7 @@ pub fn fixture_dir() -> PathBuf {
     family_dir("qwen2-vl")
 }
 
-/// The fixture model folder of `family` (`qwen2-vl`, `qwen2.5-vl`).
+/// The fixture model folder of `family` (`qwen2-vl`, `qwen2.5-vl`, `qwen3-vl`).
 pub fn family_dir(family: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("assets/tiny-{family}"))
 }
@@ -33,7 +33,14 @@ pub struct FixtureRequest {
 
 #[derive(Deserialize)]
 struct BatchFile {
+    /// Adapter name → folder, relative to the file.
+    adapters: std::collections::BTreeMap<String, String>,
     requests: Vec<FixtureRequest>,
+}
+
+fn batch_file(dir: &std::path::Path) -> BatchFile {
+    let text = std::fs::read_to_string(dir.join("batch.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
 }
 
 /// The mixed batch the fixtures were made for (`batch.json`, in `mmlora encode --batch` form).
@@ -43,8 +50,76 @@ pub fn requests() -> Vec<FixtureRequest> {
 
 /// The mixed batch of the fixture folder `dir`.
 pub fn requests_in(dir: &std::path::Path) -> Vec<FixtureRequest> {
-    let text = std::fs::read_to_string(dir.join("batch.json")).unwrap();
-    serde_json::from_str::<BatchFile>(&text).unwrap().requests
+    batch_file(dir).requests
+}
+
+/// The fixture folder `dir`'s model on `on` with every adapter of its batch loaded.
+pub fn family_engine(
+    dir: &std::path::Path,
+    on: &mmlora::runtime::device::RuntimeDevice,
+) -> mmlora::engine::Engine {
+    let options = mmlora::engine::EngineOptions::default();
+    let mut engine = mmlora::engine::Engine::open(dir, on.clone(), options).unwrap();
+    for (name, folder) in batch_file(dir).adapters {
+        engine.load_adapter(&name, &dir.join(folder)).unwrap();
+    }
+    engine
+}
+
+/// The mixed batch of the fixture folder `dir` (and its patches of two frames) in one call on
+/// the CPU backend: every request matches transformers + PEFT run request by request, and
+/// each image request equals itself run alone.
+pub fn mixed_batch_matches_peft_on_the_cpu(dir: &std::path::Path) {
+    let cpu = mmlora::runtime::device::cpu();
+    let expected = Expected::load_from(dir);
+    let requests = requests_with_frames(dir);
+    let mut engine = family_engine(dir, &cpu);
+    let results = engine.encode(&requests, true).unwrap();
+    assert!(results.iter().all(|r| r.step == 0), "one step fits all");
+    // Tolerance: rel. Frobenius 1e-5, max abs 1e-4 (the model issue's bounds).
+    assert_outputs_match(&results, &expected, 1e-5, &cpu.description);
+    // Each image request alone (the random patches of the two frames, far from normalised
+    // pixels, move by 1.02e-6 alone on Qwen2.5-VL).
+    let images = requests.len() - 1;
+    for (request, mixed) in requests.iter().zip(&results).take(images) {
+        let alone = engine.encode(std::slice::from_ref(request), true).unwrap();
+        let alone = &alone[0];
+        for (name, alone, mixed) in [
+            ("embeds", Some(&alone.embeds), Some(&mixed.embeds)),
+            ("tower", alone.tower.as_ref(), mixed.tower.as_ref()),
+            (
+                "deepstack",
+                alone.deepstack.as_ref(),
+                mixed.deepstack.as_ref(),
+            ),
+        ] {
+            assert_eq!(alone.is_some(), mixed.is_some(), "{} {name}", request.id);
+            let (Some(alone), Some(mixed)) = (alone, mixed) else {
+                continue;
+            };
+            let (rel, _) = errors(&alone.values, &mixed.values);
+            // Tolerance: 1e-6 relative; the same rows through the same kernels, only the
+            // other rows of the matmuls differ.
+            assert!(
+                rel <= 1e-6,
+                "{} {name} alone against mixed: rel {rel:e}",
+                request.id
+            );
+        }
+    }
+}
+
+/// The same batch on wgpu with the device's default kernels, against transformers + PEFT.
+pub fn mixed_batch_matches_peft_on_wgpu(dir: &std::path::Path) {
+    let Some(gpu) = mmlora::runtime::device::gpu_for_tests() else {
+        return;
+    };
+    let expected = Expected::load_from(dir);
+    let results = family_engine(dir, &gpu)
+        .encode(&requests_with_frames(dir), true)
+        .unwrap();
+    // Tolerance: rel. Frobenius 1e-4 (GPU summation order), max abs 1e-4.
+    assert_outputs_match(&results, &expected, 1e-4, &gpu.description);
 }
 
 /// The fixture's requests as engine requests, their images given as files.
@@ -115,6 +190,12 @@ impl Expected {
         (values, view.shape().to_vec())
     }
 
+    /// Whether the outputs hold `name`.
+    pub fn has(&self, name: &str) -> bool {
+        let tensors = SafeTensors::deserialize(&self.bytes).unwrap();
+        tensors.names().contains(&name)
+    }
+
     /// An int64 tensor's values.
     pub fn i64(&self, name: &str) -> Vec<i64> {
         let tensors = SafeTensors::deserialize(&self.bytes).unwrap();
@@ -129,8 +210,9 @@ impl Expected {
     }
 }
 
-/// Each result's tower and embeddings against the reference outputs: within `rel_tol` in
-/// relative Frobenius norm and 1e-4 at worst.
+/// Each result's tower, embeddings and (where the reference has them) deepstack outputs
+/// against the reference outputs: within `rel_tol` in relative Frobenius norm and 1e-4 at
+/// worst, shapes equal; a result has deepstack outputs exactly where the reference does.
 pub fn assert_outputs_match(
     results: &[mmlora::engine::Encoded],
     expected: &Expected,
@@ -139,9 +221,27 @@ pub fn assert_outputs_match(
 ) {
     for result in results {
         let tower = result.tower.as_ref().expect("asked for the tower");
-        for (name, actual) in [("tower", &tower.values), ("embeds", &result.embeds.values)] {
-            let (want, _) = expected.f32(&format!("{}.{name}", result.id));
-            let (rel, worst) = errors(actual, &want);
+        let deepstack = format!("{}.deepstack", result.id);
+        assert_eq!(
+            result.deepstack.is_some(),
+            expected.has(&deepstack),
+            "{deepstack} on {on}"
+        );
+        let outputs = [
+            ("tower", Some(tower)),
+            ("embeds", Some(&result.embeds)),
+            ("deepstack", result.deepstack.as_ref()),
+        ];
+        for (name, actual) in outputs {
+            let Some(actual) = actual else { continue };
+            let (want, shape) = expected.f32(&format!("{}.{name}", result.id));
+            assert_eq!(
+                actual.shape.as_slice(),
+                shape.as_slice(),
+                "{} {name}",
+                result.id
+            );
+            let (rel, worst) = errors(&actual.values, &want);
             assert!(
                 rel <= rel_tol && worst <= 1e-4,
                 "{} ({:?}) {name} on {on}: rel {rel:e}, max {worst:e}",

@@ -6,7 +6,8 @@ use serde::Deserialize;
 
 use crate::models::error::ConfigError;
 use crate::models::qwen_vision::config::{
-    PatchFields, RopeFields, VisionSection, check_heads, check_sizes, lora_targets, patch_sizes,
+    PatchFields, RopeFields, VisionSection, check_heads, check_sizes, lora_targets, merger_targets,
+    patch_sizes,
 };
 use crate::models::tower::{LoraTarget, PatchLayout};
 
@@ -60,7 +61,7 @@ impl Qwen25VlConfig {
     /// Reads `dir/config.json` (`model_type` `qwen2_5_vl`, or `qwen2_5_vl_vision` for the
     /// tower saved alone).
     pub fn from_model_dir(dir: &Path) -> Result<Self, ConfigError> {
-        let section = VisionSection::read(dir, "qwen2_5_vl")?;
+        let section = VisionSection::read(dir, &["qwen2_5_vl"])?;
         let at = section.at;
         let raw: RawVision = section.parse()?;
         let rope_theta = section.rope_theta(&raw.rope)?;
@@ -70,7 +71,7 @@ impl Qwen25VlConfig {
                 "{at}hidden_act is {act}; Qwen2.5-VL's gated MLP runs silu"
             )));
         }
-        let layout = raw.patch.layout();
+        let layout = raw.patch.layout(14);
         let config = Self {
             depth: raw.depth,
             embed_dim: raw.hidden_size,
@@ -158,7 +159,11 @@ impl Qwen25VlConfig {
             ("mlp.down_proj", mlp, d),
         ];
         let merged = d * self.spatial_merge_size * self.spatial_merge_size;
-        lora_targets(self.depth, &block, merged, self.out_hidden_size)
+        lora_targets(
+            self.depth,
+            &block,
+            merger_targets(merged, self.out_hidden_size),
+        )
     }
 }
 

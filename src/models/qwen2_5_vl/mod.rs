@@ -12,10 +12,10 @@ use std::path::Path;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use crate::models::error::ModelError;
-use crate::models::qwen_vision::weights::{CheckpointWeights, RandomWeights, WeightSource};
+use crate::models::qwen_vision::weights::{CheckpointWeights, RandomWeights, WeightSource, linear};
 use crate::models::qwen_vision::{
     DEFAULT_BUFFER_LIMIT, Pass, attention_pieces, cast_magnitudes, check_inputs, frames, max_rows,
-    named, rotary,
+    merger_named, named, rotary,
 };
 use crate::models::tower::{LoraTarget, PatchLayout, VisionOutput, VisionTower};
 use crate::nn::LoraLinear;
@@ -182,7 +182,7 @@ impl Qwen25VlVision {
         named(
             self.blocks.iter().map(Block::linears),
             BLOCK_LINEARS,
-            merger,
+            merger_named(merger),
         )
     }
 
@@ -192,7 +192,7 @@ impl Qwen25VlVision {
         named(
             self.blocks.iter_mut().map(Block::linears_mut),
             BLOCK_LINEARS,
-            merger,
+            merger_named(merger),
         )
     }
 
@@ -208,18 +208,6 @@ impl Qwen25VlVision {
         let values: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
         Tensor::from_data(TensorData::new(values, [rows.len()]), &self.device)
     }
-}
-
-/// The linear `name` (`[out, inp]` weight and its bias).
-fn linear(
-    weights: &mut impl WeightSource,
-    name: &str,
-    out: usize,
-    inp: usize,
-) -> Result<LoraLinear, ModelError> {
-    let weight = weights.tensor(&format!("{name}.weight"), [out, inp])?;
-    let bias = weights.tensor(&format!("{name}.bias"), [out])?;
-    Ok(LoraLinear::new(weight, Some(bias)))
 }
 
 impl VisionTower for Qwen25VlVision {
@@ -379,6 +367,7 @@ impl VisionTower for Qwen25VlVision {
             embeds: embeds
                 .select(0, self.indices(&inverse(&windows.units)))
                 .cast(DType::F32),
+            deepstack: None,
         };
         pass.mark(Stage::Output);
         Ok(output)

@@ -6,7 +6,8 @@ use serde::Deserialize;
 
 use crate::models::error::ConfigError;
 use crate::models::qwen_vision::config::{
-    PatchFields, RopeFields, VisionSection, check_heads, check_sizes, lora_targets, patch_sizes,
+    PatchFields, RopeFields, VisionSection, check_heads, check_sizes, lora_targets, merger_targets,
+    patch_sizes,
 };
 use crate::models::tower::{LoraTarget, PatchLayout};
 
@@ -58,7 +59,7 @@ struct RawVision {
 impl RawVision {
     /// The config these fields give, with the rotary base read by [`Self::rope_theta`].
     fn into_config(self, rope_theta: f32) -> VisionConfig {
-        let layout = self.patch.layout();
+        let layout = self.patch.layout(14);
         VisionConfig {
             depth: self.depth,
             embed_dim: self.embed_dim,
@@ -78,7 +79,7 @@ impl RawVision {
 impl VisionConfig {
     /// Reads `dir/config.json`.
     pub fn from_model_dir(dir: &Path) -> Result<Self, ConfigError> {
-        let section = VisionSection::read(dir, "qwen2_vl")?;
+        let section = VisionSection::read(dir, &["qwen2_vl"])?;
         let (at, invalid) = (section.at, |reason: String| section.invalid(reason));
         let raw: RawVision = section.parse()?;
         let rope_theta = section.rope_theta(&raw.rope)?;
@@ -141,7 +142,7 @@ impl VisionConfig {
             ("mlp.fc2", mlp, d),
         ];
         let merged = d * self.spatial_merge_size * self.spatial_merge_size;
-        lora_targets(self.depth, &block, merged, self.hidden_size)
+        lora_targets(self.depth, &block, merger_targets(merged, self.hidden_size))
     }
 }
 

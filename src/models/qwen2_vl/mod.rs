@@ -10,40 +10,23 @@ use std::path::Path;
 use burn::tensor::{DType, Device, Tensor};
 
 use crate::models::error::ModelError;
-use crate::models::qwen_vision::weights::{CheckpointWeights, RandomWeights, WeightSource};
+use crate::models::qwen_vision::weights::{
+    CheckpointWeights, RandomWeights, WeightSource, layer_norm, linear,
+};
 use crate::models::qwen_vision::{
-    Pass, attention_pieces, cast_magnitudes, check_inputs, frames, max_rows, named, rotary,
+    LayerNorm, Pass, attention_pieces, cast_magnitudes, check_inputs, frames, max_rows,
+    merger_named, named, rotary,
 };
 use crate::models::tower::{LoraTarget, PatchLayout, VisionOutput, VisionTower};
 use crate::nn::LoraLinear;
 use crate::ops::activation::{gelu_in_f32, quick_gelu};
 use crate::ops::kernels::Kernels;
 use crate::ops::lora::LoraBatch;
-use crate::ops::norm::{self, NormKernel};
 use crate::runtime::stages::{Stage, StageClock};
 pub use config::{DEFAULT_ROPE_THETA, VisionConfig};
 pub use presets::Preset;
 
-/// LayerNorm epsilon of every norm in the tower and merger.
-const LAYER_NORM_EPS: f64 = 1e-6;
-
 pub use crate::models::qwen_vision::DEFAULT_BUFFER_LIMIT;
-
-/// A layer norm's affine parameters, kept in f32 whatever the model computes in.
-#[derive(Debug, Clone)]
-struct LayerNorm {
-    weight: Tensor<1>,
-    bias: Tensor<1>,
-}
-
-impl LayerNorm {
-    /// Normalises each row in f32, the affine parameters applied in f32 too (as PyTorch's
-    /// autocast runs layer_norm: an f16 variance overflows), the result in `x`'s dtype, by
-    /// `kernel` ([`norm::layer_norm`]).
-    fn forward(&self, x: Tensor<2>, kernel: NormKernel) -> Tensor<2> {
-        norm::layer_norm(x, &self.weight, &self.bias, LAYER_NORM_EPS, kernel)
-    }
-}
 
 /// One transformer block.
 #[derive(Debug, Clone)]
@@ -140,47 +123,22 @@ impl Qwen2VlVision {
         let (d, hidden) = (config.embed_dim, config.hidden_size);
         let mlp = d * config.mlp_ratio;
         let merged = d * config.spatial_merge_size * config.spatial_merge_size;
-        let mut linear = |name: &str, out: usize, inp: usize| -> Result<LoraLinear, ModelError> {
-            let weight = weights.tensor(&format!("{name}.weight"), [out, inp])?;
-            let bias = weights.tensor(&format!("{name}.bias"), [out])?;
-            Ok(LoraLinear::new(weight, Some(bias)))
-        };
         let mut blocks = Vec::with_capacity(config.depth);
         for i in 0..config.depth {
             let b = format!("blocks.{i}");
-            blocks.push((
-                linear(&format!("{b}.attn.qkv"), 3 * d, d)?,
-                linear(&format!("{b}.attn.proj"), d, d)?,
-                linear(&format!("{b}.mlp.fc1"), mlp, d)?,
-                linear(&format!("{b}.mlp.fc2"), d, mlp)?,
-            ));
+            blocks.push(Block {
+                norm1: layer_norm(weights, &format!("{b}.norm1"), d)?,
+                norm2: layer_norm(weights, &format!("{b}.norm2"), d)?,
+                qkv: linear(weights, &format!("{b}.attn.qkv"), 3 * d, d)?,
+                proj: linear(weights, &format!("{b}.attn.proj"), d, d)?,
+                fc1: linear(weights, &format!("{b}.mlp.fc1"), mlp, d)?,
+                fc2: linear(weights, &format!("{b}.mlp.fc2"), d, mlp)?,
+            });
         }
-        let mlp0 = linear("merger.mlp.0", merged, merged)?;
-        let mlp2 = linear("merger.mlp.2", hidden, merged)?;
-        let mut norm = |name: &str| -> Result<LayerNorm, ModelError> {
-            Ok(LayerNorm {
-                weight: weights.tensor(&format!("{name}.weight"), [d])?,
-                bias: weights.tensor(&format!("{name}.bias"), [d])?,
-            })
-        };
-        let blocks = blocks
-            .into_iter()
-            .enumerate()
-            .map(|(i, (qkv, proj, fc1, fc2))| {
-                Ok(Block {
-                    norm1: norm(&format!("blocks.{i}.norm1"))?,
-                    norm2: norm(&format!("blocks.{i}.norm2"))?,
-                    qkv,
-                    proj,
-                    fc1,
-                    fc2,
-                })
-            })
-            .collect::<Result<Vec<_>, ModelError>>()?;
         let merger = Merger {
-            ln_q: norm("merger.ln_q")?,
-            mlp0,
-            mlp2,
+            ln_q: layer_norm(weights, "merger.ln_q", d)?,
+            mlp0: linear(weights, "merger.mlp.0", merged, merged)?,
+            mlp2: linear(weights, "merger.mlp.2", hidden, merged)?,
         };
         // A Conv3d's weight, `[d, C, T, P, P]`, read in that layout and flattened to the linear
         // it is over flattened patches.
@@ -242,13 +200,17 @@ impl Qwen2VlVision {
     /// Every linear with its path, in [`Self::lora_targets`]'s order (each is a target).
     fn linears(&self) -> impl Iterator<Item = (String, &LoraLinear)> {
         let blocks = self.blocks.iter().map(Block::linears);
-        named(blocks, BLOCK_LINEARS, self.merger.linears())
+        named(blocks, BLOCK_LINEARS, merger_named(self.merger.linears()))
     }
 
     /// The same, to change.
     fn linears_mut(&mut self) -> impl Iterator<Item = (String, &mut LoraLinear)> {
         let blocks = self.blocks.iter_mut().map(Block::linears_mut);
-        named(blocks, BLOCK_LINEARS, self.merger.linears_mut())
+        named(
+            blocks,
+            BLOCK_LINEARS,
+            merger_named(self.merger.linears_mut()),
+        )
     }
 
     /// `norm` on `x`, marked as [`Stage::Norm`].
@@ -398,6 +360,7 @@ impl VisionTower for Qwen2VlVision {
         let output = VisionOutput {
             tower: x.cast(DType::F32),
             embeds: embeds.cast(DType::F32),
+            deepstack: None,
         };
         self.stages.mark(Stage::Output);
         Ok(output)

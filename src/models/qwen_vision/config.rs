@@ -13,8 +13,8 @@ use crate::models::tower::{LoraTarget, PatchLayout};
 pub const DEFAULT_ROPE_THETA: f32 = 10_000.0;
 
 /// The model types mmlora runs, whole models and towers saved alone, as errors list them.
-pub(crate) const MODEL_TYPES: &str =
-    "qwen2_vl, qwen2_5_vl (or their towers alone, qwen2_vl_vision, qwen2_5_vl_vision)";
+pub(crate) const MODEL_TYPES: &str = "qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5, \
+     qwen3_5_moe (or their towers alone: the same with _vision)";
 
 #[derive(Deserialize)]
 struct ConfigFile {
@@ -50,33 +50,46 @@ pub(crate) struct VisionSection {
     value: serde_json::Value,
     /// `vision_config.` in a whole model's config, empty for a tower saved alone.
     pub at: &'static str,
+    /// The one of the `model_types` read that the file has (without `_vision`).
+    pub model_type: &'static str,
 }
 
 impl VisionSection {
-    /// The tower's fields of `dir/config.json`, whose `model_type` must be `family` (the whole
-    /// model, fields under `vision_config`) or `{family}_vision` (the tower alone, at the top).
-    pub(crate) fn read(dir: &Path, family: &str) -> Result<Self, ConfigError> {
+    /// The tower's fields of `dir/config.json`, whose `model_type` must be one of
+    /// `model_types` (the whole model, fields under `vision_config`) or that with `_vision`
+    /// (the tower alone, at the top).
+    pub(crate) fn read(dir: &Path, model_types: &[&'static str]) -> Result<Self, ConfigError> {
         let (path, file) = read(dir)?;
         let invalid = |reason: String| ConfigError::Invalid {
             path: path.clone(),
             reason,
         };
-        let alone = format!("{family}_vision");
-        let (value, at) = match file.model_type.as_deref() {
-            Some(t) if t == family => (
+        let found = file.model_type.as_deref().and_then(|t| {
+            let alone = t.strip_suffix("_vision");
+            let known = model_types.iter().find(|&&m| m == alone.unwrap_or(t))?;
+            Some((*known, alone.is_some()))
+        });
+        let (value, at, model_type) = match found {
+            Some((model_type, false)) => (
                 file.vision_config
                     .ok_or_else(|| invalid("no vision_config".to_owned()))?,
                 "vision_config.",
+                model_type,
             ),
-            Some(t) if t == alone => (serde_json::Value::Object(file.top), ""),
-            other => {
+            Some((model_type, true)) => (serde_json::Value::Object(file.top), "", model_type),
+            None => {
                 return Err(invalid(format!(
                     "model_type is {}; mmlora runs {MODEL_TYPES}",
-                    other.unwrap_or("missing")
+                    file.model_type.as_deref().unwrap_or("missing")
                 )));
             }
         };
-        Ok(Self { path, value, at })
+        Ok(Self {
+            path,
+            value,
+            at,
+            model_type,
+        })
     }
 
     /// An error about this file.
@@ -109,13 +122,12 @@ impl VisionSection {
 }
 
 /// The LoRA targets of a Qwen tower of `depth` blocks, each with the linears `block` (name,
-/// in, out), and a merger from `merged` to `out_hidden` (the connector's): blocks first, in
-/// order, then `merger.mlp.0` and `merger.mlp.2`.
+/// in, out), and the connector's linears `mergers` (path, in, out): blocks first, in order,
+/// then the mergers'.
 pub(crate) fn lora_targets(
     depth: usize,
     block: &[(&str, usize, usize)],
-    merged: usize,
-    out_hidden: usize,
+    mergers: Vec<(String, usize, usize)>,
 ) -> Vec<LoraTarget> {
     let target = |path: String, in_features, out_features, connector| LoraTarget {
         path,
@@ -128,11 +140,20 @@ pub(crate) fn lora_targets(
             .iter()
             .map(move |&(name, inp, out)| target(format!("blocks.{i}.{name}"), inp, out, false))
     });
-    let merger = [
-        target("merger.mlp.0".to_owned(), merged, merged, true),
-        target("merger.mlp.2".to_owned(), merged, out_hidden, true),
-    ];
-    blocks.chain(merger).collect()
+    let mergers = mergers
+        .into_iter()
+        .map(|(path, inp, out)| target(path, inp, out, true));
+    blocks.chain(mergers).collect()
+}
+
+/// The linears of Qwen2-VL's and Qwen2.5-VL's merger (`MERGER_LINEARS`), from `merged` to
+/// `out_hidden`, for [`lora_targets`].
+pub(crate) fn merger_targets(merged: usize, out_hidden: usize) -> Vec<(String, usize, usize)> {
+    let [mlp0, mlp2] = crate::models::qwen_vision::MERGER_LINEARS;
+    vec![
+        (mlp0.to_owned(), merged, merged),
+        (mlp2.to_owned(), merged, out_hidden),
+    ]
 }
 
 /// The first of `sizes` (key, value, largest) that is zero or above its largest, said by key.
@@ -172,11 +193,15 @@ pub(crate) struct PatchFields {
 }
 
 impl PatchFields {
-    /// The layout these fields give.
-    pub(crate) fn layout(&self) -> PatchLayout {
+    /// The layout these fields give, with patches of `default_patch` pixels where they give
+    /// no size (the family's default in transformers).
+    pub(crate) fn layout(&self, default_patch: usize) -> PatchLayout {
         PatchLayout {
             in_channels: self.in_channels.or(self.in_chans).unwrap_or(3),
-            patch_size: self.patch_size.or(self.spatial_patch_size).unwrap_or(14),
+            patch_size: self
+                .patch_size
+                .or(self.spatial_patch_size)
+                .unwrap_or(default_patch),
             spatial_merge_size: self.spatial_merge_size.unwrap_or(2),
             temporal_patch_size: self.temporal_patch_size.unwrap_or(2),
         }

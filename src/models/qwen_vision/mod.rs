@@ -1,7 +1,7 @@
-//! What the Qwen vision towers (Qwen2-VL, Qwen2.5-VL) share: the 2-D rotary tables in
-//! merge-block order (`rotary.rs`), attention within segments of rows (`attention.rs`), the
-//! checks of a forward call's inputs, and `Pass`, which runs a block's layers with the
-//! model's kernels and marks each stage.
+//! What the Qwen vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) share: the 2-D rotary tables
+//! in merge-block order (`rotary.rs`), attention within segments of rows (`attention.rs`), the
+//! checks of a forward call's inputs, layer norms with f32 parameters, and `Pass`, which runs a
+//! block's layers with the model's kernels and marks each stage.
 
 pub(crate) mod attention;
 pub(crate) mod config;
@@ -17,6 +17,7 @@ use crate::ops::attention::AttentionKernel;
 use crate::ops::attention::wgsl as fused_attention;
 use crate::ops::kernels::Kernels;
 use crate::ops::lora::LoraBatch;
+use crate::ops::norm::{self, NormKernel};
 use crate::ops::rotary::rotate_packed;
 use crate::preprocess::grid_rows;
 use crate::runtime::stages::{Stage, StageClock};
@@ -55,6 +56,25 @@ pub(crate) fn check_inputs(
     Ok(())
 }
 
+/// LayerNorm epsilon of every layer norm in the Qwen towers and mergers.
+const LAYER_NORM_EPS: f64 = 1e-6;
+
+/// A layer norm's affine parameters, kept in f32 whatever the model computes in.
+#[derive(Debug, Clone)]
+pub(crate) struct LayerNorm {
+    pub weight: Tensor<1>,
+    pub bias: Tensor<1>,
+}
+
+impl LayerNorm {
+    /// Normalises each row in f32, the affine parameters applied in f32 too (as PyTorch's
+    /// autocast runs layer_norm: an f16 variance overflows), the result in `x`'s dtype, by
+    /// `kernel` ([`norm::layer_norm`]).
+    pub(crate) fn forward(&self, x: Tensor<2>, kernel: NormKernel) -> Tensor<2> {
+        norm::layer_norm(x, &self.weight, &self.bias, LAYER_NORM_EPS, kernel)
+    }
+}
+
 /// The largest buffer (in bytes) one operation makes unless told otherwise: it bounds the
 /// attention scores of large images, on the CPU backend too.
 pub const DEFAULT_BUFFER_LIMIT: u64 = 256 << 20;
@@ -68,22 +88,27 @@ pub(crate) fn max_rows(buffer_limit: u64, merge: usize, widths: &[usize]) -> usi
     usize::try_from(rows).unwrap_or(usize::MAX) / m2 * m2
 }
 
-/// The merger's linears, by path.
+/// The linears of Qwen2-VL's and Qwen2.5-VL's merger, by path.
 pub(crate) const MERGER_LINEARS: [&str; 2] = ["merger.mlp.0", "merger.mlp.2"];
 
-/// Each block's linears (`blocks`, in `names`' order) and the merger's, with their paths
-/// (`blocks.{i}.{name}`, then [`MERGER_LINEARS`]): the order of a tower's LoRA targets. `T`
+/// Each block's linears (`blocks`, in `names`' order) with their paths (`blocks.{i}.{name}`),
+/// then the connector's (`mergers`, path and linear): the order of a tower's LoRA targets. `T`
 /// is `&LoraLinear` or `&mut LoraLinear`.
 pub(crate) fn named<T, const N: usize>(
     blocks: impl Iterator<Item = [T; N]>,
     names: [&'static str; N],
-    merger: [T; 2],
+    mergers: impl IntoIterator<Item = (String, T)>,
 ) -> impl Iterator<Item = (String, T)> {
     let blocks = blocks.enumerate().flat_map(move |(i, linears)| {
         let paths = names.map(|name| format!("blocks.{i}.{name}"));
         paths.into_iter().zip(linears)
     });
-    blocks.chain(MERGER_LINEARS.map(str::to_owned).into_iter().zip(merger))
+    blocks.chain(mergers)
+}
+
+/// `linears` with the paths of [`MERGER_LINEARS`], for [`named`].
+pub(crate) fn merger_named<T>(linears: [T; 2]) -> impl Iterator<Item = (String, T)> {
+    MERGER_LINEARS.map(str::to_owned).into_iter().zip(linears)
 }
 
 /// The checkpoint name of the patch embedding and of every linear's weight and bias (`linears`

@@ -7,6 +7,8 @@ use burn::tensor::{Device, Distribution, Tensor};
 
 use crate::models::checkpoint::Checkpoint;
 use crate::models::error::ModelError;
+use crate::models::qwen_vision::LayerNorm;
+use crate::nn::LoraLinear;
 
 /// Where a tower's `build` gets its tensors, by checkpoint name without the `visual.` prefix.
 pub(crate) trait WeightSource {
@@ -16,6 +18,30 @@ pub(crate) trait WeightSource {
         name: &str,
         shape: [usize; D],
     ) -> Result<Tensor<D>, ModelError>;
+}
+
+/// The linear `name` (`[out, inp]` weight and its bias).
+pub(crate) fn linear(
+    weights: &mut impl WeightSource,
+    name: &str,
+    out: usize,
+    inp: usize,
+) -> Result<LoraLinear, ModelError> {
+    let weight = weights.tensor(&format!("{name}.weight"), [out, inp])?;
+    let bias = weights.tensor(&format!("{name}.bias"), [out])?;
+    Ok(LoraLinear::new(weight, Some(bias)))
+}
+
+/// The layer norm `name` over `width` values.
+pub(crate) fn layer_norm(
+    weights: &mut impl WeightSource,
+    name: &str,
+    width: usize,
+) -> Result<LayerNorm, ModelError> {
+    Ok(LayerNorm {
+        weight: weights.tensor(&format!("{name}.weight"), [width])?,
+        bias: weights.tensor(&format!("{name}.bias"), [width])?,
+    })
 }
 
 /// A Hugging Face checkpoint.
