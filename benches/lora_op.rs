@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
 use mmlora::bench::op::{OpInputs, OpShape, timed};
-use mmlora::models::qwen2_vl::Preset;
+use mmlora::models::Preset;
 use mmlora::runtime::device::{self, RuntimeDevice};
 
 fn bench_device(c: &mut Criterion, on: &RuntimeDevice) {
-    let shape = OpShape::qkv(&Preset::Qwen2Vl2b.config(), 1024, 16, 8);
+    let shape = OpShape::qkv(Preset::Qwen2Vl2b.embed_dim(), 1024, 16, 8);
     let i = OpInputs::new(shape, on);
     let mut group = c.benchmark_group(format!(
         "qkv_{}x{}x{}_r{}_{}mixed/{}",

@@ -4,15 +4,14 @@
 
 use std::collections::{HashMap, HashSet};
 use std::num::NonZeroUsize;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::LazyLock;
 
 use arbitrary::{Result, Unstructured};
 
 use crate::adapters::{AdapterConfig, PeftAdapter};
 use crate::engine::batch::{Batch, BatchError};
-use crate::models::LoraTarget;
-use crate::models::qwen2_vl::VisionConfig;
+use crate::models::{self, LoraTarget};
 use crate::routing::mapping::{
     AdapterId, AdapterRequest, EncoderCache, LoraState, MmFeature, Modality, NO_ADAPTER,
     PlaceholderRange, SpatialMergeCounts, set_active_mm_loras,
@@ -22,25 +21,41 @@ use crate::routing::meta::{KernelMeta, NO_SLOT, SlotTable};
 /// The highest rank the adapter checks accept.
 const MAX_RANK: usize = 16;
 
-/// The bundled tiny model's folder.
-fn fixture_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-qwen2-vl")
+/// A fixture model of each family (`assets/tiny-{family}`): the adapter checks run against
+/// each one's targets, with each one's adapters.
+const FAMILIES: [&str; 3] = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"];
+
+/// A family's fixture folder, its LoRA targets, its `patterns` adapter's weights and its
+/// `all-r4` adapter's configuration.
+struct Family {
+    targets: Vec<LoraTarget>,
+    patterns_weights: Vec<u8>,
+    all_r4: AdapterConfig,
 }
 
-/// The bundled tiny model's LoRA targets.
-static TARGETS: LazyLock<Vec<LoraTarget>> = LazyLock::new(|| {
-    VisionConfig::from_model_dir(&fixture_dir())
-        .expect("the bundled model's config")
-        .lora_targets()
+static FAMILY_FIXTURES: LazyLock<Vec<Family>> = LazyLock::new(|| {
+    FAMILIES
+        .iter()
+        .map(|family| {
+            let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("assets/tiny-{family}"));
+            let adapters = dir.join("adapters");
+            Family {
+                targets: models::lora_targets(&dir).expect("the fixture model's config"),
+                patterns_weights: std::fs::read(
+                    adapters.join("patterns/adapter_model.safetensors"),
+                )
+                .expect("the fixture adapter"),
+                all_r4: AdapterConfig::read("all-r4", &adapters.join("all-r4"))
+                    .expect("the fixture adapter"),
+            }
+        })
+        .collect()
 });
 
-/// `adapter_config.json` text `data`, then a real adapter's weights under that configuration: a
-/// typed error, or an adapter with ranks in range and finite values that passes its own check.
+/// `adapter_config.json` text `data`, then each family's `patterns` adapter's weights under
+/// that configuration: a typed error, or an adapter with ranks in range and finite values that
+/// passes its own check.
 pub fn adapter_config(data: &[u8]) {
-    static WEIGHTS: LazyLock<Vec<u8>> = LazyLock::new(|| {
-        std::fs::read(fixture_dir().join("adapters/patterns/adapter_model.safetensors"))
-            .expect("the bundled adapter")
-    });
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
@@ -49,33 +64,37 @@ pub fn adapter_config(data: &[u8]) {
         return;
     };
     assert!(config.r > 0 && config.lora_alpha.is_finite() && config.lora_alpha != 0.0);
-    let Ok(adapter) =
-        PeftAdapter::from_safetensors("fuzz", dir, config, &WEIGHTS, &TARGETS, MAX_RANK)
-    else {
-        return;
-    };
-    adapter
-        .check(&TARGETS, MAX_RANK)
-        .expect("a loaded adapter passes its own check");
-    for module in adapter.modules.values() {
-        assert!(module.scale.is_finite());
-        assert!(module.a.iter().chain(&module.b).all(|v| v.is_finite()));
+    for family in FAMILY_FIXTURES.iter() {
+        let (weights, targets) = (&family.patterns_weights, &family.targets);
+        let Ok(adapter) =
+            PeftAdapter::from_safetensors("fuzz", dir, config.clone(), weights, targets, MAX_RANK)
+        else {
+            continue;
+        };
+        adapter
+            .check(targets, MAX_RANK)
+            .expect("a loaded adapter passes its own check");
+        for module in adapter.modules.values() {
+            assert!(module.scale.is_finite());
+            assert!(module.a.iter().chain(&module.b).all(|v| v.is_finite()));
+        }
     }
 }
 
-/// `adapter_model.safetensors` bytes `data` under a real adapter's configuration: a typed
-/// error, or an adapter that fits the model and holds no more values than the bytes could carry.
+/// `adapter_model.safetensors` bytes `data` under each family's `all-r4` configuration, on its
+/// model: a typed error, or an adapter that fits the model and holds no more values than the
+/// bytes could carry.
 pub fn adapter_safetensors(data: &[u8]) {
-    static CONFIG: LazyLock<AdapterConfig> = LazyLock::new(|| {
-        AdapterConfig::read("all-r4", &fixture_dir().join("adapters/all-r4"))
-            .expect("the bundled adapter")
-    });
     let dir = Path::new("/fuzz/adapter");
-    if let Ok(adapter) =
-        PeftAdapter::from_safetensors("fuzz", dir, CONFIG.clone(), data, &TARGETS, MAX_RANK)
-    {
+    for family in FAMILY_FIXTURES.iter() {
+        let (config, targets) = (family.all_r4.clone(), &family.targets);
+        let Ok(adapter) =
+            PeftAdapter::from_safetensors("fuzz", dir, config, data, targets, MAX_RANK)
+        else {
+            continue;
+        };
         adapter
-            .check(&TARGETS, MAX_RANK)
+            .check(targets, MAX_RANK)
             .expect("a loaded adapter passes its own check");
         let values: usize = adapter
             .modules

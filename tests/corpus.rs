@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::{copy_dir, edit_json, fixture_dir, keep, png_header, rewrite_safetensors};
+use common::{copy_dir, edit_json, family_dir, fixture_dir, keep, png_header, rewrite_safetensors};
 use mmlora::engine::batch::Batch;
 use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request};
 use mmlora::runtime::device;
@@ -61,6 +61,28 @@ fn model(dir: &Path, edit: impl FnOnce(&Path)) -> PathBuf {
     copy_dir(&fixture_dir(), &model);
     edit(&model);
     model
+}
+
+/// A copy of the fixture model folder of `family` (`assets/tiny-{family}`), changed by `edit`.
+fn family_model(dir: &Path, family: &str, edit: impl FnOnce(&Path)) -> PathBuf {
+    let model = dir.join("model");
+    copy_dir(&family_dir(family), &model);
+    edit(&model);
+    model
+}
+
+/// `family`'s fixture model folder with `key` of its `vision_config` set to `value`.
+fn family_config(dir: &Path, family: &str, key: &str, value: serde_json::Value) -> PathBuf {
+    family_model(dir, family, |m| {
+        edit_json(&m.join("config.json"), |c| c["vision_config"][key] = value)
+    })
+}
+
+/// A copy of adapter `name` of `family`'s fixtures.
+fn family_adapter(dir: &Path, family: &str, name: &str) -> PathBuf {
+    let adapter = dir.join(name);
+    copy_dir(&family_dir(family).join("adapters").join(name), &adapter);
+    adapter
 }
 
 /// A copy of fixture adapter `name`, changed by `edit`.
@@ -839,6 +861,58 @@ fn cases() -> Vec<Case> {
             &["absent.json", "No such file"],
             |d| d.join("absent.json"),
         ),
+        // The other families' folders: what their configs and checkpoints must hold.
+        case(
+            "Qwen3-VL position table not square",
+            Model,
+            &["config.json", "num_position_embeddings 24 is not a square"],
+            |d| family_config(d, "qwen3-vl", "num_position_embeddings", 24.into()),
+        ),
+        case(
+            "Qwen3-VL position table of another size",
+            Model,
+            &["pos_embed.weight"],
+            |d| family_config(d, "qwen3-vl", "num_position_embeddings", 36.into()),
+        ),
+        case(
+            "Qwen3-VL deepstack block past the tower",
+            Model,
+            &["config.json", "deepstack_visual_indexes names block 4"],
+            |d| family_config(d, "qwen3-vl", "deepstack_visual_indexes", [1, 4].into()),
+        ),
+        case(
+            "Qwen3-VL deepstack merger the checkpoint lacks",
+            Model,
+            &["deepstack_merger_list.2."],
+            |d| family_config(d, "qwen3-vl", "deepstack_visual_indexes", [1, 2, 3].into()),
+        ),
+        case(
+            "Qwen2.5-VL window not whole merge blocks",
+            Model,
+            &["config.json", "window_size 50 is not a whole number"],
+            |d| family_config(d, "qwen2.5-vl", "window_size", 50.into()),
+        ),
+        case(
+            "Qwen3-VL deepstack adapter on a model without deepstack",
+            Adapter,
+            &[
+                ADAPTER_WEIGHTS,
+                "deepstack_merger_list.",
+                "is not a LoRA target",
+            ],
+            |d| family_adapter(d, "qwen3-vl", "deepstack-r4"),
+        ),
+        case(
+            "Qwen2.5-VL gated-MLP adapter on Qwen2-VL",
+            Adapter,
+            // Keys are checked in name order: blocks.0's attn.proj fits, its gate_proj not.
+            &[
+                ADAPTER_WEIGHTS,
+                "blocks.0.mlp.gate_proj.lora_A.weight",
+                "is not a LoRA target",
+            ],
+            |d| family_adapter(d, "qwen2.5-vl", "patterns"),
+        ),
     ]
 }
 
@@ -966,7 +1040,7 @@ fn cli(target: Target, path: &Path, out: &Path) -> std::process::Output {
 fn every_bad_input_is_a_typed_error_and_the_engine_keeps_serving() {
     let cases = cases();
     // As many as README.md counts, so that no case goes missing unnoticed.
-    assert_eq!(cases.len(), 67, "the corpus has {} cases", cases.len());
+    assert_eq!(cases.len(), 74, "the corpus has {} cases", cases.len());
     let mut serving = Serving::new();
     let mut failures = Vec::new();
     for (i, case) in cases.iter().enumerate() {

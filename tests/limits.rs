@@ -9,8 +9,9 @@ use burn::tensor::{Distribution, Tensor};
 use common::{errors, fixture_dir, fixture_requests};
 use mmlora::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
 use mmlora::models::VisionTower;
-use mmlora::models::qwen2_vl::Preset;
+use mmlora::models::presets::qwen2_vl_2b;
 use mmlora::models::qwen2_vl::Qwen2VlVision;
+use mmlora::models::qwen2_vl::VisionConfig;
 use mmlora::ops::attention::AttentionKernel;
 use mmlora::ops::kernels::Kernels;
 use mmlora::ops::lora::LoraBatch;
@@ -45,7 +46,7 @@ fn encode(on: &RuntimeDevice) -> (Engine, Vec<Encoded>) {
 /// batched launch sequence and the other on its own), one image at a time, and in blocks of 5
 /// queries; and with the fused kernel, which the limit does not split.
 fn attention_in_blocks(on: &RuntimeDevice, rel_tol: f64) {
-    let mut model = Qwen2VlVision::random(Preset::Tiny.config(), &on.device);
+    let mut model = Qwen2VlVision::random(VisionConfig::tiny(), &on.device);
     model.set_kernels(Kernels {
         attention: AttentionKernel::Burn,
         ..model.kernels()
@@ -177,7 +178,7 @@ fn the_gpu_step_limit_follows_its_binding_limit() {
         engine.step_rows(),
         model_rows.min(EngineOptions::default().max_step_rows)
     );
-    let mut model = Qwen2VlVision::random(Preset::Qwen2Vl2b.config(), &device::cpu().device);
+    let mut model = Qwen2VlVision::random(qwen2_vl_2b(), &device::cpu().device);
     model.set_buffer_limit(limit);
     let rows_2b = model.max_rows();
     println!(

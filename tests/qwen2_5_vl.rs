@@ -65,7 +65,7 @@ fn adapters_of_the_other_family_are_refused_by_key() {
             error.contains("adapter_model.safetensors") && error.ends_with(says),
             "{error}"
         );
-        // The module named is one the model lacks (whichever key the check meets first).
+        // The module named is one the model lacks (the first such key in name order).
         let module = error[..error.len() - says.len()]
             .trim_end_matches('`')
             .rsplit('`')

@@ -232,7 +232,10 @@ impl PeftAdapter {
         // (`model.visual.…` from transformers 5, `visual.…` from 4, nothing before `blocks.…`
         // from the tower alone): PEFT matched the config's patterns against that name.
         let mut pairs: BTreeMap<String, KeyPair> = BTreeMap::new();
-        for key in file.names() {
+        // In name order, so that an error names the same key every time.
+        let mut names = file.names();
+        names.sort_unstable();
+        for key in names {
             let inner = key.strip_prefix("base_model.model.").unwrap_or(key);
             let Some((prefix, module_key)) = split_vision_key(inner) else {
                 continue; // outside the vision tower: not ours to run

@@ -20,8 +20,7 @@ use serde::Serialize;
 
 use crate::adapters::{ModuleLora, PeftAdapter};
 use crate::engine::{Encoded, Engine, EngineError, EngineOptions, ImageSource, Request};
-use crate::models::qwen2_vl::{Preset, Qwen2VlVision, VisionConfig};
-use crate::models::{LoraTarget, VisionTower};
+use crate::models::{LoraTarget, PatchLayout, Preset, VisionTower};
 use crate::ops::attention::AttentionKernel;
 use crate::ops::kernels::KernelPins;
 use crate::ops::linear::LinearKernel;
@@ -100,7 +99,7 @@ impl BenchSpec {
             )));
         }
         Ok(Self {
-            side: resized_side(self.side, self.images)?,
+            side: resized_side(self.side, self.images, self.preset.layout())?,
             adapters,
             ranks: ascending(&self.ranks),
             ..self.clone()
@@ -216,9 +215,8 @@ pub fn run(
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<BenchRecord>, EngineError> {
     let spec = &spec.as_run()?;
-    let config = spec.preset.config();
-    let model = Qwen2VlVision::random(config.clone(), &device.device);
-    let requests = random_images(spec.images, spec.side, &config);
+    let model = spec.preset.random(&device.device);
+    let requests = random_images(spec.images, spec.side, model.layout());
 
     // (adapters, rank, how it computes); the base with the chosen kernels first.
     let pins = spec.kernels;
@@ -249,7 +247,7 @@ pub fn run(
             pins.linear.resolve(device),
             pins.attention.resolve(device)
         ));
-        let mut engine = engine_with_adapters(&model, device, compute, adapters, adapters, rank)?;
+        let mut engine = engine_with_adapters(&*model, device, compute, adapters, adapters, rank)?;
         let batch = mixed_batch(&requests, adapters, rank);
         let warm_up = engine.encode(&batch, false)?;
         runs.push((engine, batch, steps(&warm_up)));
@@ -287,10 +285,10 @@ pub fn run(
 /// before it ran.
 pub const MAX_BATCH_ROWS: usize = 1 << 18;
 
-/// The side the image processor resizes a square image of `side` pixels to, where a batch of
-/// `images` of them fits [`MAX_BATCH_ROWS`].
-fn resized_side(side: usize, images: usize) -> Result<usize, EngineError> {
-    let preprocess = PreprocessConfig::default();
+/// The side the image processor resizes a square image of `side` pixels to for a tower that
+/// cuts patches as `layout` says, where a batch of `images` of them fits [`MAX_BATCH_ROWS`].
+fn resized_side(side: usize, images: usize, layout: PatchLayout) -> Result<usize, EngineError> {
+    let preprocess = preprocess_for(layout);
     let factor = preprocess.patch_size * preprocess.merge_size;
     let (height, _) = smart_resize(
         side,
@@ -310,6 +308,16 @@ fn resized_side(side: usize, images: usize) -> Result<usize, EngineError> {
     Ok(height)
 }
 
+/// Qwen2-VL's image processor settings with the patches `layout` cuts.
+fn preprocess_for(layout: PatchLayout) -> PreprocessConfig {
+    PreprocessConfig {
+        patch_size: layout.patch_size,
+        temporal_patch_size: layout.temporal_patch_size,
+        merge_size: layout.spatial_merge_size,
+        ..PreprocessConfig::default()
+    }
+}
+
 /// Scheduler steps an encode call took, from its outputs.
 fn steps(encoded: &[Encoded]) -> usize {
     encoded.iter().map(|e| e.step + 1).max().unwrap_or(0)
@@ -317,15 +325,15 @@ fn steps(encoded: &[Encoded]) -> usize {
 
 /// `count` requests of random patches for square images of `side` pixels, a side the image
 /// processor keeps ([`resized_side`]).
-fn random_images(count: usize, side: usize, config: &VisionConfig) -> Vec<Request> {
-    let grid_thw = [1, side / config.patch_size, side / config.patch_size];
+fn random_images(count: usize, side: usize, layout: PatchLayout) -> Vec<Request> {
+    let grid_thw = [1, side / layout.patch_size, side / layout.patch_size];
     let rows = grid_thw.iter().product::<usize>();
     let mut random = XorShift(0x5eed);
     (0..count)
         .map(|i| Request {
             id: format!("image{i}"),
             image: ImageSource::Patches(Patches {
-                pixel_values: (0..rows * config.patch_len())
+                pixel_values: (0..rows * layout.patch_len())
                     .map(|_| random.uniform(2.0))
                     .collect(),
                 grid_thw,
@@ -347,7 +355,7 @@ fn shrink_name(kernel: ShrinkKernel, device: &RuntimeDevice) -> Option<String> {
 /// GPU slots and `loaded` random adapters of `rank` registered (named `r{rank}-{k}`), all held
 /// in host memory.
 fn engine_with_adapters(
-    model: &Qwen2VlVision,
+    model: &dyn VisionTower,
     device: &RuntimeDevice,
     (precision, pins): Compute,
     slots: usize,
@@ -363,8 +371,8 @@ fn engine_with_adapters(
         kernels: pins,
     };
     let mut engine = Engine::with_model(
-        Box::new(model.clone()),
-        PreprocessConfig::default(),
+        model.boxed_clone(),
+        preprocess_for(model.layout()),
         device.clone(),
         options,
     )?;

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use serde::Serialize;
 
-use crate::models::qwen2_vl::{DEFAULT_BUFFER_LIMIT, VisionConfig};
+use crate::models::qwen2_vl::DEFAULT_BUFFER_LIMIT;
 use crate::nn::LoraLinear;
 use crate::ops::linear::LinearKernel;
 use crate::ops::linear::choice::LinearChoice;
@@ -97,12 +97,12 @@ pub struct OpShape {
 }
 
 impl OpShape {
-    /// The `attn.qkv` linear of a tower of shape `config`, in f32.
-    pub fn qkv(config: &VisionConfig, rows: usize, rank: usize, adapters: usize) -> Self {
+    /// The `attn.qkv` linear of a tower `embed_dim` wide, in f32.
+    pub fn qkv(embed_dim: usize, rows: usize, rank: usize, adapters: usize) -> Self {
         Self {
             rows,
-            in_features: config.embed_dim,
-            out_features: 3 * config.embed_dim,
+            in_features: embed_dim,
+            out_features: 3 * embed_dim,
             rank,
             adapters,
             mix: OpMix::Rows,

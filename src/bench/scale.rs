@@ -16,7 +16,7 @@ use super::{
     resized_side, steps,
 };
 use crate::engine::{Engine, EngineError, Request};
-use crate::models::qwen2_vl::Qwen2VlVision;
+use crate::models::VisionTower;
 use crate::ops::kernels::KernelPins;
 use crate::runtime::device::{Precision, RuntimeDevice};
 
@@ -120,17 +120,16 @@ pub fn run(
         .max()
         .unwrap_or(1);
     let spec = &ScaleSpec {
-        side: resized_side(spec.side, most_images)?,
+        side: resized_side(spec.side, most_images, spec.preset.layout())?,
         ..spec.clone()
     };
-    let config = spec.preset.config();
-    let model = Qwen2VlVision::random(config.clone(), &device.device);
-    let requests = random_images(most_images, spec.side, &config);
+    let model = spec.preset.random(&device.device);
+    let requests = random_images(most_images, spec.side, model.layout());
     let sweep = Sweep {
         spec,
         device,
         compute: (spec.precision, spec.kernels),
-        model: &model,
+        model: &*model,
         requests: &requests,
     };
 
@@ -168,7 +167,7 @@ struct Sweep<'a> {
     spec: &'a ScaleSpec,
     device: &'a RuntimeDevice,
     compute: Compute,
-    model: &'a Qwen2VlVision,
+    model: &'a dyn VisionTower,
     requests: &'a [Request],
 }
 

@@ -16,8 +16,7 @@ use super::{
     BenchSpec, RunSetup, engine_with_adapters, in_turns, median, mixed_batch, random_images,
 };
 use crate::engine::{EngineError, ImageSource, Request};
-use crate::models::VisionTower;
-use crate::models::qwen2_vl::{Qwen2VlVision, VisionConfig};
+use crate::models::{LoraTarget, VisionTower};
 use crate::runtime::device::RuntimeDevice;
 use crate::runtime::stages::{Stage, StageClock, StageTime};
 
@@ -63,11 +62,10 @@ pub fn run(
     mut progress: impl FnMut(&str),
 ) -> Result<Vec<StageProfile>, EngineError> {
     let spec = &spec.as_run()?;
-    let config = spec.preset.config();
     let clock = StageClock::new(&device.device);
-    let mut model = Qwen2VlVision::random(config.clone(), &device.device);
+    let mut model = spec.preset.random(&device.device);
     model.set_stage_clock(clock.clone());
-    let requests = random_images(spec.images, spec.side, &config);
+    let requests = random_images(spec.images, spec.side, model.layout());
     let compute = (spec.precision, spec.kernels);
     let rank = spec.ranks.first().copied().unwrap_or(1);
     let mixed = spec.adapters.iter().copied().max().unwrap_or(1);
@@ -76,7 +74,7 @@ pub fn run(
     let mut runs = Vec::with_capacity(configurations.len());
     for &(adapters, rank) in &configurations {
         progress(&format!("preparing {adapters} adapters of rank {rank}"));
-        let mut engine = engine_with_adapters(&model, device, compute, adapters, adapters, rank)?;
+        let mut engine = engine_with_adapters(&*model, device, compute, adapters, adapters, rank)?;
         let batch = mixed_batch(&requests, adapters, rank);
         // Warm-up, plain and clocked: the waits end Burn's fused kernels elsewhere, so a
         // clocked pass compiles (and autotunes) kernels of its own the first time.
@@ -113,7 +111,7 @@ pub fn run(
         .iter()
         .enumerate()
         .map(|(i, &(adapters, rank))| {
-            let stages = lines(&clocked[i], &flop(&config, &grids, rank));
+            let stages = lines(&clocked[i], &flop(&*model, &grids, rank));
             StageProfile {
                 kind: "stages",
                 setup: spec.setup(device, compute, adapters, rank),
@@ -174,80 +172,80 @@ fn grids(requests: &[Request]) -> Vec<[usize; 3]> {
         .collect()
 }
 
-/// Floating-point operations of one pass over images of `grids`, per product stage (a
-/// multiply-add is two), with adapters of `rank` on every target (0: none).
-fn flop(config: &VisionConfig, grids: &[[usize; 3]], rank: usize) -> BTreeMap<Stage, f64> {
-    let depth = config.depth as f64;
-    let d = config.embed_dim as f64;
-    let mlp = d * config.mlp_ratio as f64;
-    let merge = (config.spatial_merge_size * config.spatial_merge_size) as f64;
+/// Floating-point operations of one pass of `model` over images of `grids`, per product stage
+/// (a multiply-add is two), with adapters of `rank` on every target (0: none).
+fn flop(model: &dyn VisionTower, grids: &[[usize; 3]], rank: usize) -> BTreeMap<Stage, f64> {
+    let layout = model.layout();
+    let targets = model.lora_targets();
     let rows: f64 = grids
         .iter()
         .map(|g| g.iter().product::<usize>() as f64)
         .sum();
-    let merged_rows = rows / merge;
-    let merged_width = d * merge;
-    let hidden = config.hidden_size as f64;
-    // Scores and weighted sum: 2 · len² · d multiply-adds per frame, over the heads.
-    let attention: f64 = grids
+    let merged_rows = rows / (layout.spatial_merge_size * layout.spatial_merge_size) as f64;
+    // The first block's qkv reads the tower's width.
+    let width = targets.first().map_or(0.0, |t| t.in_features as f64);
+    // Scores and weighted sum: 2 · len² · width multiply-adds per segment, over the heads.
+    let attention: f64 = model
+        .attention_segments(grids)
         .iter()
-        .map(|&[t, h, w]| t as f64 * 4.0 * ((h * w) as f64).powi(2) * d)
+        .flatten()
+        .map(|&len| 4.0 * (len as f64).powi(2) * width)
         .sum();
     let product = |rows: f64, inp: f64, out: f64| 2.0 * rows * inp * out;
-    // Each linear's stage and (in, out): the blocks' over the tower rows, the merger's over
-    // the merged rows.
-    let tower_linears = [
-        (Stage::Qkv, d, 3.0 * d),
-        (Stage::Proj, d, d),
-        (Stage::Fc1, d, mlp),
-        (Stage::Fc2, mlp, d),
-    ];
-    let merger_linears = [
-        (Stage::MergerMlp0, merged_width, merged_width),
-        (Stage::MergerMlp2, merged_width, hidden),
-    ];
     let mut flop = BTreeMap::from([
         (
             Stage::PatchEmbed,
-            product(rows, config.patch_len() as f64, d),
+            product(rows, layout.patch_len() as f64, width),
         ),
-        (Stage::Attention, depth * attention),
+        (Stage::Attention, attention),
     ]);
-    for &(stage, inp, out) in &tower_linears {
-        flop.insert(stage, depth * product(rows, inp, out));
-    }
-    for &(stage, inp, out) in &merger_linears {
-        flop.insert(stage, product(merged_rows, inp, out));
+    // Each linear over the tower rows, or the merged rows where the connector's; with
+    // adapters, each row shrunk to the rank and expanded back through its own adapter. A
+    // layer whose kernel runs the op fused into its product marks it as its own stage, not
+    // `lora_op`: where some did (fewer `lora_op` marks than linears), that rate overstates the
+    // op's.
+    let mut lora = 0.0;
+    for target in &targets {
+        let rows = if target.connector { merged_rows } else { rows };
+        let (inp, out) = (target.in_features as f64, target.out_features as f64);
+        *flop.entry(stage_of(target)).or_default() += product(rows, inp, out);
+        lora += product(rows, rank as f64, inp + out);
     }
     if rank > 0 {
-        // Shrink to the rank and expand back, each row through its own adapter. A layer whose
-        // kernel runs the op fused into its product marks it as its own stage, not this one:
-        // where some did (fewer `lora_op` marks than linears), this rate overstates the op's.
-        let r = rank as f64;
-        let tower: f64 = tower_linears
-            .iter()
-            .map(|&(_, inp, out)| depth * product(rows, r, inp + out))
-            .sum();
-        let merger: f64 = merger_linears
-            .iter()
-            .map(|&(_, inp, out)| product(merged_rows, r, inp + out))
-            .sum();
-        flop.insert(Stage::LoraOp, tower + merger);
+        flop.insert(Stage::LoraOp, lora);
     }
     flop
+}
+
+/// The stage a target linear's product is marked as: a block's attention linears, its MLP's
+/// first products (`fc1`, `gate_proj`, `up_proj`, `linear_fc1`) and last (`fc2`, `down_proj`,
+/// `linear_fc2`), a merger's first (`mlp.0`, `linear_fc1`) and last (`mlp.2`, `linear_fc2`).
+fn stage_of(target: &LoraTarget) -> Stage {
+    let kind = LoraTarget::kind(&target.path);
+    let last = ["fc2", "down_proj", "mlp.2"]
+        .iter()
+        .any(|end| kind.ends_with(end));
+    match (kind, target.connector, last) {
+        ("attn.qkv", ..) => Stage::Qkv,
+        ("attn.proj", ..) => Stage::Proj,
+        (_, true, false) => Stage::MergerMlp0,
+        (_, true, true) => Stage::MergerMlp2,
+        (_, false, false) => Stage::Fc1,
+        (_, false, true) => Stage::Fc2,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::qwen2_vl::Preset;
+    use crate::models::Preset;
 
     #[test]
     fn products_count_their_multiply_adds_twice() {
         // The tiny preset: width 32, MLP 128, 2 blocks, 2×2 merge to 48; one image of 4 × 6
         // patches and one of two frames of 2 × 2.
-        let config = Preset::Tiny.config();
-        let flop = flop(&config, &[[1, 4, 6], [2, 2, 2]], 2);
+        let model = Preset::Tiny.random(&crate::runtime::device::cpu().device);
+        let flop = flop(&*model, &[[1, 4, 6], [2, 2, 2]], 2);
         let rows = 24.0 + 8.0;
         assert_eq!(flop[&Stage::Qkv], 2.0 * 2.0 * rows * 32.0 * 96.0);
         assert_eq!(flop[&Stage::Fc2], 2.0 * 2.0 * rows * 128.0 * 32.0);
@@ -261,7 +259,39 @@ mod tests {
         let tower = 2.0 * 2.0 * rows * 2.0 * (128.0 + 64.0 + 160.0 + 160.0);
         let merger = 2.0 * 8.0 * 2.0 * (256.0 + 176.0);
         assert_eq!(flop[&Stage::LoraOp], tower + merger);
-        assert!(!self::flop(&config, &[[1, 4, 6]], 0).contains_key(&Stage::LoraOp));
+        assert!(!self::flop(&*model, &[[1, 4, 6]], 0).contains_key(&Stage::LoraOp));
+    }
+
+    /// Each family's linears are counted in the stage its forward pass marks them as.
+    #[test]
+    fn every_familys_linears_count_in_their_stage() {
+        for (path, connector, stage) in [
+            ("blocks.1.attn.qkv", false, Stage::Qkv),
+            ("blocks.1.attn.proj", false, Stage::Proj),
+            ("blocks.0.mlp.fc1", false, Stage::Fc1),
+            ("blocks.0.mlp.fc2", false, Stage::Fc2),
+            ("blocks.3.mlp.gate_proj", false, Stage::Fc1),
+            ("blocks.3.mlp.up_proj", false, Stage::Fc1),
+            ("blocks.3.mlp.down_proj", false, Stage::Fc2),
+            ("blocks.2.mlp.linear_fc1", false, Stage::Fc1),
+            ("blocks.2.mlp.linear_fc2", false, Stage::Fc2),
+            ("merger.mlp.0", true, Stage::MergerMlp0),
+            ("merger.mlp.2", true, Stage::MergerMlp2),
+            ("merger.linear_fc1", true, Stage::MergerMlp0),
+            (
+                "deepstack_merger_list.1.linear_fc2",
+                true,
+                Stage::MergerMlp2,
+            ),
+        ] {
+            let target = LoraTarget {
+                path: path.to_owned(),
+                in_features: 1,
+                out_features: 1,
+                connector,
+            };
+            assert_eq!(stage_of(&target), stage, "{path}");
+        }
     }
 
     #[test]

@@ -9,7 +9,7 @@ use mmlora::bench::scale::{self, ScaleSpec};
 use mmlora::bench::stages;
 use mmlora::bench::{self, BenchSpec};
 use mmlora::engine::MAX_LORAS;
-use mmlora::models::qwen2_vl::Preset;
+use mmlora::models::Preset;
 use mmlora::ops::kernels::KernelPins;
 use mmlora::ops::lora::{MAX_RANK, ShrinkKernel};
 use mmlora::preprocess::MAX_DECODED_PIXELS;
@@ -278,7 +278,7 @@ pub fn run(args: BenchArgs) -> Result<(), CliError> {
                     precision: spec.precision,
                     linear_kernel: spec.kernels.linear,
                     lora_shrink,
-                    ..OpShape::qkv(&spec.preset.config(), rows, rank, mixed)
+                    ..OpShape::qkv(spec.preset.embed_dim(), rows, rank, mixed)
                 };
                 let op = bench::op::run(shape, &runtime, spec.repeats);
                 if args.json {

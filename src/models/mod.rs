@@ -4,6 +4,7 @@
 
 pub mod checkpoint;
 pub mod error;
+pub mod presets;
 pub mod qwen2_5_vl;
 pub mod qwen2_vl;
 pub mod qwen3_vl;
@@ -15,6 +16,7 @@ use std::path::Path;
 use burn::tensor::Device;
 
 pub use error::{ConfigError, ModelError};
+pub use presets::Preset;
 pub use tower::{LoraTarget, PatchLayout, VisionOutput, VisionTower};
 
 /// The families mmlora runs: Qwen2-VL, Qwen2.5-VL, Qwen3-VL.

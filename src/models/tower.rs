@@ -117,6 +117,10 @@ pub trait VisionTower: Debug + Send + Sync {
         connector: &LoraBatch,
     ) -> Result<VisionOutput, ModelError>;
 
+    /// For each block, the lengths of the segments of rows that attend among themselves for
+    /// `grids` (what attention's cost follows).
+    fn attention_segments(&self, grids: &[[usize; 3]]) -> Vec<Vec<usize>>;
+
     /// A copy (tensors are shared until written).
     fn boxed_clone(&self) -> Box<dyn VisionTower>;
 }

@@ -53,6 +53,15 @@ pub fn requests_in(dir: &std::path::Path) -> Vec<FixtureRequest> {
     batch_file(dir).requests
 }
 
+/// The adapters of the fixture folder `dir`'s batch: name and folder.
+pub fn adapters_in(dir: &std::path::Path) -> Vec<(String, PathBuf)> {
+    batch_file(dir)
+        .adapters
+        .into_iter()
+        .map(|(name, folder)| (name, dir.join(folder)))
+        .collect()
+}
+
 /// The fixture folder `dir`'s model on `on` with every adapter of its batch loaded.
 pub fn family_engine(
     dir: &std::path::Path,
@@ -60,8 +69,8 @@ pub fn family_engine(
 ) -> mmlora::engine::Engine {
     let options = mmlora::engine::EngineOptions::default();
     let mut engine = mmlora::engine::Engine::open(dir, on.clone(), options).unwrap();
-    for (name, folder) in batch_file(dir).adapters {
-        engine.load_adapter(&name, &dir.join(folder)).unwrap();
+    for (name, folder) in adapters_in(dir) {
+        engine.load_adapter(&name, &folder).unwrap();
     }
     engine
 }

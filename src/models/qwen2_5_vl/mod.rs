@@ -373,6 +373,18 @@ impl VisionTower for Qwen25VlVision {
         Ok(output)
     }
 
+    /// Each frame in the `fullatt_block_indexes` blocks, each window in the others.
+    fn attention_segments(&self, grids: &[[usize; 3]]) -> Vec<Vec<usize>> {
+        let c = &self.config;
+        let windows = Windows::of(grids, c.spatial_merge_size, c.window_units()).rows;
+        (0..c.depth)
+            .map(|i| match c.fullatt_block_indexes.contains(&i) {
+                true => frames(grids),
+                false => windows.clone(),
+            })
+            .collect()
+    }
+
     fn boxed_clone(&self) -> Box<dyn VisionTower> {
         Box::new(self.clone())
     }

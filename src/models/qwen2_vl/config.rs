@@ -77,6 +77,23 @@ impl RawVision {
 }
 
 impl VisionConfig {
+    /// The bundled test model's shape: 2 blocks, width 32, 2 heads, merger to 48.
+    pub fn tiny() -> Self {
+        Self {
+            depth: 2,
+            embed_dim: 32,
+            hidden_size: 48,
+            mlp_ratio: 4,
+            num_heads: 2,
+            in_channels: 3,
+            patch_size: 14,
+            spatial_merge_size: 2,
+            temporal_patch_size: 2,
+            hidden_act: "quick_gelu".to_owned(),
+            rope_theta: DEFAULT_ROPE_THETA,
+        }
+    }
+
     /// Reads `dir/config.json`.
     pub fn from_model_dir(dir: &Path) -> Result<Self, ConfigError> {
         let section = VisionSection::read(dir, &["qwen2_vl"])?;

@@ -3,7 +3,6 @@
 //! `merger.mlp.2`). Numbers follow transformers' `Qwen2VisionTransformerPretrainedModel`.
 
 pub mod config;
-mod presets;
 
 use std::path::Path;
 
@@ -24,7 +23,6 @@ use crate::ops::kernels::Kernels;
 use crate::ops::lora::LoraBatch;
 use crate::runtime::stages::{Stage, StageClock};
 pub use config::{DEFAULT_ROPE_THETA, VisionConfig};
-pub use presets::Preset;
 
 pub use crate::models::qwen_vision::DEFAULT_BUFFER_LIMIT;
 
@@ -366,6 +364,11 @@ impl VisionTower for Qwen2VlVision {
         Ok(output)
     }
 
+    /// Each frame of each image, in every block.
+    fn attention_segments(&self, grids: &[[usize; 3]]) -> Vec<Vec<usize>> {
+        vec![frames(grids); self.config.depth]
+    }
+
     fn boxed_clone(&self) -> Box<dyn VisionTower> {
         Box::new(self.clone())
     }
@@ -374,14 +377,13 @@ impl VisionTower for Qwen2VlVision {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::qwen2_vl::Preset;
     use crate::runtime::device;
 
     /// Every LoRA target the config lists is a linear of the model, of the target's widths, at
     /// the target's path, in the config's order; no other path is.
     #[test]
     fn each_target_path_names_its_linear() {
-        let mut model = Qwen2VlVision::random(Preset::Tiny.config(), &device::cpu().device);
+        let mut model = Qwen2VlVision::random(VisionConfig::tiny(), &device::cpu().device);
         let targets = model.lora_targets();
         let paths: Vec<String> = model.linears().map(|(path, _)| path).collect();
         let target_paths: Vec<&String> = targets.iter().map(|t| &t.path).collect();

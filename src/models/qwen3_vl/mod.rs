@@ -433,6 +433,11 @@ impl VisionTower for Qwen3VlVision {
         Ok(output)
     }
 
+    /// Each frame of each image, in every block.
+    fn attention_segments(&self, grids: &[[usize; 3]]) -> Vec<Vec<usize>> {
+        vec![frames(grids); self.config.depth]
+    }
+
     fn boxed_clone(&self) -> Box<dyn VisionTower> {
         Box::new(self.clone())
     }

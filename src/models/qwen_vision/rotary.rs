@@ -83,7 +83,7 @@ pub(crate) fn tables(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::qwen2_vl::{DEFAULT_ROPE_THETA, Preset};
+    use crate::models::qwen2_vl::{DEFAULT_ROPE_THETA, VisionConfig};
     use crate::runtime::device;
 
     /// The angles as transformers computes them: position × θ^(−2i/(head_dim/2)), the patch's
@@ -93,7 +93,7 @@ mod tests {
     fn angles_follow_the_configs_rotary_base() {
         let cpu = device::cpu();
         for theta in [DEFAULT_ROPE_THETA, 100.0] {
-            let config = Preset::Tiny.config();
+            let config = VisionConfig::tiny();
             let (hd, quarter) = (config.head_dim(), config.head_dim() / 4);
             let Rotary { k: [cos, _], .. } = tables(
                 &[[1, 2, 4]],

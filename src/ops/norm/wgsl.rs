@@ -85,8 +85,8 @@ impl NormBackend for CubeBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::qwen2_vl::Preset;
     use crate::models::qwen2_vl::Qwen2VlVision;
+    use crate::models::qwen2_vl::VisionConfig;
     use crate::models::tower::VisionTower;
     use crate::ops::kernels::Kernels;
     use crate::ops::lora::LoraBatch;
@@ -121,7 +121,7 @@ mod tests {
         let Some(gpu) = device::gpu_for_tests() else {
             return;
         };
-        let mut model = Qwen2VlVision::random(Preset::Tiny.config(), &gpu.device);
+        let mut model = Qwen2VlVision::random(VisionConfig::tiny(), &gpu.device);
         let grids = [[1, 8, 8], [1, 4, 4]];
         let rows: usize = grids.iter().map(|g| g.iter().product::<usize>()).sum();
         let x = Tensor::<2>::random([rows, 1176], Distribution::Default, &gpu.device);
