@@ -100,12 +100,35 @@ fn demo_runs_the_preset_batch_and_saves_a_real_screenshot() {
     }
     let dir = TempDir::new().unwrap();
     let shot = dir.path().join("demo.png");
-    let out = run_demo(&shot, &[]);
+    assert_real_screenshot(&run_demo(&shot, &[]), &shot);
+}
+
+/// The other families' tiny models (what the window's model picker offers beside the bundled
+/// one) run their preset batch and draw it.
+#[test]
+fn demo_runs_each_familys_tiny_model() {
+    if !have_xvfb() {
+        return;
+    }
+    for family in ["tiny-qwen2.5-vl", "tiny-qwen3-vl"] {
+        let model = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("assets")
+            .join(family);
+        let dir = TempDir::new().unwrap();
+        let shot = dir.path().join("demo.png");
+        let out = run_demo(&shot, &["--model".as_ref(), model.as_os_str()]);
+        assert_real_screenshot(&out, &shot);
+    }
+}
+
+/// The demo exited cleanly and its screenshot `shot` is a real frame with the heatmap and the
+/// results drawn.
+fn assert_real_screenshot(out: &Output, shot: &Path) {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
 
-    let image = image::open(&shot).unwrap().to_rgba8();
+    let image = image::open(shot).unwrap().to_rgba8();
     assert!(
         image.width() >= 1000 && image.height() >= 700,
         "screenshot is {}×{}",

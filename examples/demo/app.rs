@@ -28,6 +28,8 @@ const PRESET_BATCH: [(&str, Option<&str>); 5] = [
     ("progressive.jpg", Some("patterns")),
     ("lossless.webp", None),
 ];
+/// The bundled tiny model of each family, under `assets/`: the model picker's choices.
+const BUNDLED_MODELS: [&str; 3] = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"];
 /// The largest side of the heatmap view, in points.
 const HEATMAP_SIDE: f32 = 360.0;
 /// The largest side of an image as the heatmap shows it, in pixels.
@@ -77,6 +79,13 @@ pub struct DemoApp {
     decoder: Sender<Decoded>,
     decoded: Receiver<Decoded>,
     gpu: Option<String>,
+    /// The device a new compute thread gets (the model picker starts one).
+    device: Option<RuntimeDevice>,
+    /// Wakes the window when the compute thread has news.
+    ctx: egui::Context,
+    /// The model folder the compute thread serves, and the others the picker offers.
+    model_dir: PathBuf,
+    models: Vec<PathBuf>,
     compute: Compute,
     images: Vec<ImageEntry>,
     adapters: Vec<AdapterInfo>,
@@ -104,26 +113,23 @@ impl DemoApp {
         gpu: Option<RuntimeDevice>,
         screenshot: Option<ScreenshotPlan>,
     ) -> Self {
-        let (jobs, job_queue) = channel();
-        let (reply_sender, replies) = channel();
-        let (decoder, decoded) = channel();
         let ctx = cc.egui_ctx.clone();
-        let worker_gpu = gpu.clone();
-        let worker_model = model_dir.clone();
-        std::thread::spawn(move || {
-            worker::serve(
-                worker_model,
-                worker_gpu,
-                job_queue,
-                reply_sender,
-                move || ctx.request_repaint(),
-            )
-        });
+        let (jobs, replies) = start_worker(&ctx, &model_dir, &gpu);
+        let (decoder, decoded) = channel();
+        let assets = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets");
+        let mut models: Vec<PathBuf> = BUNDLED_MODELS.iter().map(|m| assets.join(m)).collect();
+        if !models.contains(&model_dir) {
+            models.insert(0, model_dir.clone());
+        }
         let mut app = Self {
             jobs,
             replies,
             decoder,
             decoded,
+            device: gpu.clone(),
+            ctx,
+            model_dir,
+            models,
             compute: if gpu.is_some() {
                 Compute::Gpu
             } else {
@@ -144,33 +150,57 @@ impl DemoApp {
             screenshot,
             drawn: [None; 2],
         };
+        app.open_model_folder();
+        app
+    }
+
+    /// Switches to the model in `dir` (the picker): a new compute thread serving it (the old
+    /// one ends with its queue), and the folder's images, adapters and preset batch in place of
+    /// the old model's.
+    fn switch_model(&mut self, dir: PathBuf) {
+        (self.jobs, self.replies) = start_worker(&self.ctx, &dir, &self.device);
+        self.model_dir = dir;
+        self.images.clear();
+        self.adapters.clear();
+        self.batch.clear();
+        self.result = None;
+        self.running = false;
+        self.progress.clear();
+        self.selected = 0;
+        self.history.clear();
+        self.open_model_folder();
+    }
+
+    /// Loads the model folder's images and those of the bundled adapters it has, and runs the
+    /// preset batch's rows it has.
+    fn open_model_folder(&mut self) {
+        let model_dir = self.model_dir.clone();
         let images = model_dir.join("images");
         for entry in std::fs::read_dir(&images).into_iter().flatten().flatten() {
             if entry.path().is_file() {
-                app.add_image(entry.path());
+                self.add_image(entry.path());
             }
         }
-        app.images.sort_by(|a, b| a.path.cmp(&b.path));
+        self.images.sort_by(|a, b| a.path.cmp(&b.path));
         let adapters: Vec<&str> = PRESET_ADAPTERS
             .into_iter()
             .filter(|name| is_adapter(&model_dir.join("adapters").join(name)))
             .collect();
         for name in &adapters {
-            app.load_adapter(model_dir.join("adapters").join(name));
+            self.load_adapter(model_dir.join("adapters").join(name));
         }
         for (image, adapter) in PRESET_BATCH {
             let image = images.join(image);
             if image.is_file() && adapter.is_none_or(|a| adapters.contains(&a)) {
-                app.batch.push(BatchRow {
+                self.batch.push(BatchRow {
                     image,
                     adapter: adapter.map(str::to_owned),
                 });
             }
         }
-        if !app.batch.is_empty() {
-            app.run();
+        if !self.batch.is_empty() {
+            self.run();
         }
-        app
     }
 
     fn add_image(&mut self, path: PathBuf) {
@@ -375,6 +405,24 @@ impl DemoApp {
     fn device_bar(&mut self, ui: &mut egui::Ui) {
         ui.horizontal(|ui| {
             ui.heading("mmlora");
+            ui.separator();
+            let mut picked = None;
+            ui.add_enabled_ui(!self.running, |ui| {
+                egui::ComboBox::from_label("model")
+                    .selected_text(file_name(&self.model_dir))
+                    .show_ui(ui, |ui| {
+                        for model in &self.models {
+                            let current = *model == self.model_dir;
+                            if ui.selectable_label(current, file_name(model)).clicked() && !current
+                            {
+                                picked = Some(model.clone());
+                            }
+                        }
+                    });
+            });
+            if let Some(model) = picked {
+                self.switch_model(model);
+            }
             ui.separator();
             match &self.gpu {
                 Some(gpu) => ui.label(format!("GPU (rendering and compute): {gpu}")),
@@ -727,6 +775,24 @@ fn colormap(t: f32) -> Color32 {
 }
 
 /// Whether `dir` is a PEFT adapter folder (has an `adapter_config.json`).
+/// Starts a compute thread serving the model in `model_dir` on `gpu` (or the CPU backend),
+/// waking `ctx` when it has news: its job queue and its replies.
+fn start_worker(
+    ctx: &egui::Context,
+    model_dir: &Path,
+    gpu: &Option<RuntimeDevice>,
+) -> (Sender<Job>, Receiver<Reply>) {
+    let (jobs, job_queue) = channel();
+    let (reply_sender, replies) = channel();
+    let (ctx, model_dir, gpu) = (ctx.clone(), model_dir.to_owned(), gpu.clone());
+    std::thread::spawn(move || {
+        worker::serve(model_dir, gpu, job_queue, reply_sender, move || {
+            ctx.request_repaint()
+        })
+    });
+    (jobs, replies)
+}
+
 fn is_adapter(dir: &Path) -> bool {
     dir.join("adapter_config.json").is_file()
 }
