@@ -118,6 +118,38 @@ pub fn mixed_batch_matches_peft_on_the_cpu(dir: &std::path::Path) {
     }
 }
 
+/// The adapter folder `adapter` on the model folder `model` (on the CPU backend) is refused,
+/// naming its weights file and a module the model lacks; the engine is left without adapters.
+/// Returns that module.
+pub fn assert_refused_by_module(model: &std::path::Path, adapter: &std::path::Path) -> String {
+    let cpu = mmlora::runtime::device::cpu();
+    let options = mmlora::engine::EngineOptions::default();
+    let mut engine = mmlora::engine::Engine::open(model, cpu, options).unwrap();
+    let error = engine
+        .load_adapter("other", adapter)
+        .unwrap_err()
+        .to_string();
+    let says = " is not a LoRA target of this model";
+    assert!(
+        error.contains("adapter_model.safetensors") && error.ends_with(says),
+        "{error}"
+    );
+    // The module named (the first key in name order that the model lacks).
+    let module = error[..error.len() - says.len()]
+        .trim_end_matches('`')
+        .rsplit('`')
+        .next()
+        .unwrap()
+        .to_owned();
+    let targets = engine.model().lora_targets();
+    assert!(
+        !targets.iter().any(|t| t.path == module),
+        "{module}: {error}"
+    );
+    assert!(engine.adapter_names().is_empty());
+    module
+}
+
 /// The same batch on wgpu with the device's default kernels, against transformers + PEFT.
 pub fn mixed_batch_matches_peft_on_wgpu(dir: &std::path::Path) {
     let Some(gpu) = mmlora::runtime::device::gpu_for_tests() else {

@@ -6,8 +6,8 @@ use serde::Deserialize;
 
 use crate::models::error::ConfigError;
 use crate::models::qwen_vision::config::{
-    PatchFields, RopeFields, VisionSection, check_heads, check_sizes, lora_targets, merger_targets,
-    patch_sizes,
+    PatchFields, RopeFields, VisionSection, check_blocks, check_heads, check_sizes, lora_targets,
+    merger_targets, patch_sizes,
 };
 use crate::models::tower::{LoraTarget, PatchLayout};
 
@@ -113,17 +113,11 @@ impl Qwen25VlConfig {
                 self.window_size
             ));
         }
-        if let Some(index) = self
-            .fullatt_block_indexes
-            .iter()
-            .find(|&&i| i >= self.depth)
-        {
-            return Err(format!(
-                "fullatt_block_indexes names block {index}, and there are {}",
-                self.depth
-            ));
-        }
-        Ok(())
+        check_blocks(
+            "fullatt_block_indexes",
+            &self.fullatt_block_indexes,
+            self.depth,
+        )
     }
 
     /// Width of one attention head.

@@ -7,7 +7,8 @@ use serde::Deserialize;
 
 use crate::models::error::ConfigError;
 use crate::models::qwen_vision::config::{
-    PatchFields, RopeFields, VisionSection, check_heads, check_sizes, lora_targets, patch_sizes,
+    PatchFields, RopeFields, VisionSection, check_blocks, check_heads, check_sizes, lora_targets,
+    patch_sizes,
 };
 use crate::models::tower::{LoraTarget, PatchLayout};
 
@@ -135,14 +136,10 @@ impl Qwen3VlConfig {
                 self.num_position_embeddings
             ));
         }
-        for (at, &index) in self.deepstack_visual_indexes.iter().enumerate() {
-            if index >= self.depth {
-                return Err(format!(
-                    "deepstack_visual_indexes names block {index}, and there are {}",
-                    self.depth
-                ));
-            }
-            if self.deepstack_visual_indexes[..at].contains(&index) {
+        let deepstack = &self.deepstack_visual_indexes;
+        check_blocks("deepstack_visual_indexes", deepstack, self.depth)?;
+        for (at, &index) in deepstack.iter().enumerate() {
+            if deepstack[..at].contains(&index) {
                 return Err(format!(
                     "deepstack_visual_indexes names block {index} twice"
                 ));

@@ -167,6 +167,14 @@ pub(crate) fn check_sizes(sizes: &[(&str, usize, usize)]) -> Result<(), String> 
     }
 }
 
+/// Refuses block indexes (`key`) past a tower of `depth` blocks.
+pub(crate) fn check_blocks(key: &str, indexes: &[usize], depth: usize) -> Result<(), String> {
+    match indexes.iter().find(|&&i| i >= depth) {
+        Some(index) => Err(format!("{key} names block {index}, and there are {depth}")),
+        None => Ok(()),
+    }
+}
+
 /// Refuses a width (`key`) whose heads are not a whole multiple of 4 values each, as the
 /// attention kernels read them.
 pub(crate) fn check_heads(key: &str, width: usize, heads: usize) -> Result<(), String> {
