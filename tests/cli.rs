@@ -204,31 +204,35 @@ fn encode_images_with_one_adapter() {
 fn preprocess_writes_what_the_engine_feeds() {
     let dir = tempfile::TempDir::new().unwrap();
     let expected = Expected::load();
-    for file in ["wide.jpg", "progressive.jpg", "rgba.png"] {
-        let out = dir.path().join(format!("{file}.safetensors"));
-        assert_success(&mmlora(&[
-            "preprocess",
-            &fixture(&format!("images/{file}")),
-            "--out",
-            out.to_str().unwrap(),
-        ]));
-        let written = std::fs::read(&out).unwrap();
-        let grid = read_tensor(&written, "image_grid_thw");
-        let want_grid = expected.i64(&format!("{file}.image_grid_thw"));
-        assert_eq!(
-            grid,
-            want_grid.iter().map(|&g| g as f64).collect::<Vec<_>>()
-        );
-        let pixels = read_tensor(&written, "pixel_values");
-        let (want, _) = expected.f32(&format!("{file}.pixel_values"));
-        assert_eq!(pixels.len(), want.len());
-        // Tolerance: 1e-6 absolute, as in tests/preprocess_fixtures.rs.
-        let worst = pixels
-            .iter()
-            .zip(&want)
-            .map(|(a, e)| (a - f64::from(*e)).abs())
-            .fold(0.0, f64::max);
-        assert!(worst <= 1e-6, "{file}: max |Δ| = {worst}");
+    // No flag is transformers 5's default backend, torchvision.
+    for (flag, key) in [(None, "pixel_values"), (Some("pil"), "pil.pixel_values")] {
+        for file in ["wide.jpg", "progressive.jpg", "rgba.png"] {
+            let out = dir.path().join(format!("{file}.safetensors"));
+            let image = fixture(&format!("images/{file}"));
+            let mut args = vec!["preprocess", &image, "--out", out.to_str().unwrap()];
+            args.extend(
+                flag.iter()
+                    .flat_map(|&backend| ["--image-backend", backend]),
+            );
+            assert_success(&mmlora(&args));
+            let written = std::fs::read(&out).unwrap();
+            let grid = read_tensor(&written, "image_grid_thw");
+            let want_grid = expected.i64(&format!("{file}.image_grid_thw"));
+            assert_eq!(
+                grid,
+                want_grid.iter().map(|&g| g as f64).collect::<Vec<_>>()
+            );
+            let pixels = read_tensor(&written, "pixel_values");
+            let (want, _) = expected.f32(&format!("{file}.{key}"));
+            // Exactly, as in tests/preprocess_fixtures.rs.
+            assert!(
+                pixels
+                    .iter()
+                    .copied()
+                    .eq(want.iter().map(|&e| f64::from(e))),
+                "{file} ({flag:?}): pixel values differ from transformers'"
+            );
+        }
     }
 }
 

@@ -465,6 +465,18 @@ fn cases() -> Vec<Case> {
             },
         ),
         case(
+            "processor resamples with box, which torchvision has not",
+            Model,
+            &["preprocessor_config.json", "resample", "torchvision"],
+            |d| {
+                model(d, |m| {
+                    edit_json(&m.join("preprocessor_config.json"), |p| {
+                        p["resample"] = 4.into()
+                    })
+                })
+            },
+        ),
+        case(
             "processor patch 0",
             Model,
             &["preprocessor_config.json", "patch_size", "is 0"],
@@ -1040,7 +1052,7 @@ fn cli(target: Target, path: &Path, out: &Path) -> std::process::Output {
 fn every_bad_input_is_a_typed_error_and_the_engine_keeps_serving() {
     let cases = cases();
     // As many as README.md counts, so that no case goes missing unnoticed.
-    assert_eq!(cases.len(), 74, "the corpus has {} cases", cases.len());
+    assert_eq!(cases.len(), 75, "the corpus has {} cases", cases.len());
     let mut serving = Serving::new();
     let mut failures = Vec::new();
     for (i, case) in cases.iter().enumerate() {

@@ -15,7 +15,7 @@ use mmlora::engine::{
 };
 use mmlora::ops::kernels::{KernelError, KernelPins};
 use mmlora::ops::linear::LinearKernel;
-use mmlora::preprocess::PreprocessConfig;
+use mmlora::preprocess::{ImageBackend, Patches, PreprocessConfig};
 use mmlora::runtime::device::{self, Precision, RuntimeDevice};
 
 const ADAPTERS: [&str; 4] = ["all-r4", "patterns", "rslora-r8", "tower-r2"];
@@ -415,6 +415,40 @@ fn f16_is_refused_where_the_device_cannot_compute_it() {
         matches!(&error, EngineError::Options(m) if m.contains("SHADER_F16")),
         "{error}"
     );
+}
+
+/// `image_backend` picks whose pixels the engine computes: with `Pil`, an image file encodes
+/// exactly as the PIL backend's pixel values from the fixture do, and differently from the
+/// default (torchvision) where the image is resized.
+#[test]
+fn the_image_backend_option_picks_the_processor() {
+    let expected = Expected::load();
+    let file = "rgba.png";
+    let (pil_pixels, _) = expected.f32(&format!("{file}.pil.pixel_values"));
+    let grid = expected.i64(&format!("{file}.image_grid_thw"));
+    let request = |image| Request {
+        id: "r".to_owned(),
+        image,
+        adapter: Some("all-r4".to_owned()),
+    };
+    let from_file = request(ImageSource::File(fixture_dir().join("images").join(file)));
+    let from_pixels = request(ImageSource::Patches(Patches {
+        pixel_values: pil_pixels,
+        grid_thw: [grid[0] as usize, grid[1] as usize, grid[2] as usize],
+    }));
+    let embeds = |backend, request: &Request| {
+        let options = EngineOptions {
+            image_backend: backend,
+            ..EngineOptions::default()
+        };
+        let mut results = engine(&device::cpu(), options)
+            .encode(std::slice::from_ref(request), false)
+            .unwrap();
+        results.remove(0).embeds.values
+    };
+    let pil = embeds(ImageBackend::Pil, &from_file);
+    assert_eq!(pil, embeds(ImageBackend::Pil, &from_pixels));
+    assert_ne!(pil, embeds(ImageBackend::Torchvision, &from_file));
 }
 
 #[test]

@@ -1,6 +1,8 @@
 """Writes the reference fixtures under assets/tiny-<family>/ with the real thing:
-transformers' vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), PEFT adapters, and the PIL image
-processor.
+transformers' vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), PEFT adapters, and both of
+transformers' image-processor backends (torchvision, its default, and PIL); and, with Qwen2-VL,
+the resize references in tests/data/ (Pillow's and torchvision's resize of one image with each
+filter).
 
     python3 -m venv .venv && .venv/bin/pip install -r tools/requirements.txt
     .venv/bin/python tools/make_fixtures.py [qwen2-vl] [qwen2.5-vl] [qwen3-vl]
@@ -19,11 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torchvision.transforms.v2.functional as tvF
 from PIL import Image
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import save_file
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
@@ -32,6 +36,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.vision_utils import get_vision_window_index
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
+TEST_DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 ROOT = ASSETS / "tiny-qwen2-vl"
 
 VISION = dict(
@@ -261,17 +266,22 @@ def run_tower(visual, peft_model, adapter, pixel_values, grid):
         return visual(pixel_values, grid_thw=grid)
 
 
-def write_requests(root, processor, run, adapters, requests=REQUESTS):
-    """Images, the processor's output and each request's outputs (`run`: `(adapter,
+def write_requests(root, processors, run, adapters, requests=REQUESTS):
+    """Images, both processor backends' output and each request's outputs (`run`: `(adapter,
     pixel_values, grid)` → `{"tower": …, "embeds": …}`, and any other output the family has),
-    and the mixed batch file."""
+    and the mixed batch file. The outputs are run on the torchvision backend's pixels, as
+    transformers 5's `AutoProcessor` gives them; `{file}.pil.pixel_values` holds the PIL
+    backend's."""
     write_images(root / "images")
     expected = {}
     for i, (file, adapter) in enumerate(requests):
         image = Image.open(root / "images" / file)
-        batch = processor(images=[image], return_tensors="pt")
+        batch = processors["torchvision"](images=[image], return_tensors="pt")
+        pil = processors["pil"](images=[image], return_tensors="pt")
         pixel_values, grid = batch["pixel_values"], batch["image_grid_thw"]
+        assert torch.equal(grid, pil["image_grid_thw"]), file
         expected[f"{file}.pixel_values"] = pixel_values.contiguous()
+        expected[f"{file}.pil.pixel_values"] = pil["pixel_values"].contiguous()
         expected[f"{file}.image_grid_thw"] = grid.contiguous()
         for output, value in run(adapter, pixel_values, grid).items():
             expected[f"request{i}.{output}"] = value.contiguous()
@@ -285,6 +295,37 @@ def write_requests(root, processor, run, adapters, requests=REQUESTS):
     }
     (root / "batch.json").write_text(json.dumps(batch, indent=2) + "\n")
     return expected
+
+
+# Pillow's filters by number, and torchvision's modes for those it has.
+FILTERS = {1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
+TORCHVISION_MODES = {
+    "lanczos": tvF.InterpolationMode.LANCZOS,
+    "bilinear": tvF.InterpolationMode.BILINEAR,
+    "bicubic": tvF.InterpolationMode.BICUBIC,
+}
+# Both axes down; both up; the height down more than twice the width (Pillow 13 runs its
+# vertical pass first); the height down while the width grows.
+RESIZES = [(37, 61), (90, 130), (50, 40), (70, 60)]
+
+
+def write_resize_references(image_path):
+    """`image_path` resized with each filter by Pillow (`Image.resize`, as the PIL backend calls
+    it) and by torchvision (`resize` on a `uint8` tensor with antialiasing, as the torchvision
+    backend calls it), saved as `tests/data/square-{backend}-{filter}-{w}x{h}.png`."""
+    image = Image.open(image_path).convert("RGB")
+    tensor = torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+    for old in TEST_DATA.glob("square-*-*x*.png"):
+        old.unlink()
+    for number, name in FILTERS.items():
+        for width, height in RESIZES:
+            pil = image.resize((width, height), resample=number, reducing_gap=None)
+            pil.save(TEST_DATA / f"square-pil-{name}-{width}x{height}.png")
+            if name in TORCHVISION_MODES:
+                resized = tvF.resize(tensor, [height, width], interpolation=TORCHVISION_MODES[name], antialias=True)
+                Image.fromarray(resized.permute(1, 2, 0).numpy()).save(
+                    TEST_DATA / f"square-torchvision-{name}-{width}x{height}.png"
+                )
 
 
 def write_frames(expected, generator, run, patch_len):
@@ -308,7 +349,7 @@ def start_family(
     beside `patch_size` where the family's hub files carry both, the language model's width at
     the top; Qwen3-VL: transformers' names, the language model's fields under `text_config`),
     the processor's settings (`processor`) and the seeded adapters. Returns the generator (for
-    draws after these), the tower, the processor and the PEFT model."""
+    draws after these), the tower, the processor's two backends and the tower's holder."""
     if root.exists():
         shutil.rmtree(root)
     root.mkdir(parents=True)
@@ -332,13 +373,16 @@ def start_family(
         hub_vision["spatial_patch_size"] = hub_vision["patch_size"]
     hub["vision_config"] = hub_vision
     (root / "config.json").write_text(json.dumps(hub, indent=2))
-    processor = Qwen2VLImageProcessorPil(**processor)
-    processor.save_pretrained(root)
-    return generator, visual, processor, holder
+    processors = {
+        "torchvision": Qwen2VLImageProcessor(**processor),
+        "pil": Qwen2VLImageProcessorPil(**processor),
+    }
+    processors["torchvision"].save_pretrained(root)
+    return generator, visual, processors, holder
 
 
 def qwen2_vl():
-    generator, visual, processor, holder = start_family(
+    generator, visual, processors, holder = start_family(
         ROOT, 1234, Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel, VISION,
         VISION["hidden_size"], "Qwen2VLForConditionalGeneration", "qwen2_vl",
     )
@@ -348,7 +392,8 @@ def qwen2_vl():
         out = run_tower(visual, peft_model, adapter, pixel_values, grid)
         return {"tower": out.last_hidden_state, "embeds": out.pooler_output}
 
-    expected = write_requests(ROOT, processor, run, ADAPTERS)
+    expected = write_requests(ROOT, processors, run, ADAPTERS)
+    write_resize_references(ROOT / "images" / "square.png")
     write_frames(expected, generator, run, 3 * VISION["temporal_patch_size"] * 14 * 14)
     save_file(expected, ROOT / "expected.safetensors")
 
@@ -356,7 +401,7 @@ def qwen2_vl():
 def qwen2_5_vl():
     """Qwen2.5-VL: RMSNorm, SwiGLU and window attention. Its tower's `last_hidden_state` is in
     window order; the fixture puts it back in the processor's order, as mmlora returns it."""
-    generator, visual, processor, holder = start_family(
+    generator, visual, processors, holder = start_family(
         ROOT_25, 2525, Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel, VISION_25,
         VISION_25["out_hidden_size"], "Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl",
     )
@@ -373,7 +418,7 @@ def qwen2_5_vl():
         unpermuted = hidden.reshape(rows // merge_unit, merge_unit, -1)[torch.argsort(window_index)]
         return {"tower": unpermuted.reshape(rows, -1), "embeds": out.pooler_output}
 
-    expected = write_requests(ROOT_25, processor, run, ADAPTERS_25)
+    expected = write_requests(ROOT_25, processors, run, ADAPTERS_25)
     write_frames(expected, generator, run, 3 * VISION_25["temporal_patch_size"] * 14 * 14)
     save_file(expected, ROOT_25 / "expected.safetensors")
 
@@ -382,7 +427,7 @@ def qwen3_vl():
     """Qwen3-VL: LayerNorm blocks with a GELU-tanh MLP, a learned position table interpolated to
     each grid, and deepstack mergers, whose outputs are concatenated along features as vLLM
     does (`deepstack`)."""
-    generator, visual, processor, holder = start_family(
+    generator, visual, processors, holder = start_family(
         ROOT_3, 3333, Qwen3VLVisionConfig, Qwen3VLVisionModel, VISION_3, VISION_3["out_hidden_size"],
         "Qwen3VLForConditionalGeneration", "qwen3_vl", PREPROCESSOR_3,
     )
@@ -396,7 +441,7 @@ def qwen3_vl():
             "deepstack": torch.cat(out.deepstack_features, dim=1),
         }
 
-    expected = write_requests(ROOT_3, processor, run, ADAPTERS_3, REQUESTS_3)
+    expected = write_requests(ROOT_3, processors, run, ADAPTERS_3, REQUESTS_3)
     write_frames(expected, generator, run, 3 * VISION_3["temporal_patch_size"] * 16 * 16)
     save_file(expected, ROOT_3 / "expected.safetensors")
 

@@ -369,6 +369,7 @@ fn engine_with_adapters(
         max_step_rows: usize::MAX,
         precision,
         kernels: pins,
+        ..EngineOptions::default()
     };
     let mut engine = Engine::with_model(
         model.boxed_clone(),

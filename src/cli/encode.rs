@@ -8,6 +8,7 @@ use mmlora::adapters::PeftAdapter;
 use mmlora::engine::batch::Batch;
 use mmlora::engine::{Encoded, Engine, EngineOptions, ImageSource, Request};
 use mmlora::ops::kernels::{self, KernelPins};
+use mmlora::preprocess::ImageBackend;
 use mmlora::runtime::device::{self, DeviceChoice, DeviceClass, Precision};
 
 use super::output::{
@@ -28,7 +29,8 @@ pub struct EncodeArgs {
     /// A PEFT adapter folder applied to every image given on the command line.
     #[arg(long, requires = "images")]
     adapter: Option<PathBuf>,
-    /// A Qwen2-VL model folder (config.json + safetensors); default: the bundled model.
+    /// A model folder (config.json + safetensors: Qwen2-VL, Qwen2.5-VL or Qwen3-VL); default:
+    /// the bundled model.
     #[arg(long)]
     model: Option<PathBuf>,
     /// Write the results here as safetensors: `ID.embeds` (and `ID.tower`) per request.
@@ -49,6 +51,9 @@ pub struct EncodeArgs {
     /// The float type to compute in (the outputs stay f32).
     #[arg(long, value_parser = choice::of::<Precision>(), default_value = "f32")]
     precision: Precision,
+    /// Whose image processor to reproduce: transformers 5's two backends.
+    #[arg(long, value_parser = choice::of::<ImageBackend>(), default_value = "torchvision")]
+    image_backend: ImageBackend,
 }
 
 /// Runs `mmlora encode`.
@@ -78,6 +83,7 @@ pub fn run(args: EncodeArgs) -> Result<(), CliError> {
             .max_cpu_adapters
             .max(args.max_loras),
         precision: args.precision,
+        image_backend: args.image_backend,
         ..EngineOptions::default()
     };
     let started = Instant::now();

@@ -3,10 +3,10 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use mmlora::preprocess::{PreprocessConfig, load_image, preprocess};
+use mmlora::preprocess::{ImageBackend, PreprocessConfig, load_image, preprocess};
 
 use super::output::{OutputTensor, check_not_an_input, files_in, report_to, write_safetensors};
-use super::{CliError, model_dir};
+use super::{CliError, choice, model_dir};
 
 /// Arguments of `mmlora preprocess`.
 #[derive(Debug, clap::Args)]
@@ -20,6 +20,9 @@ pub struct PreprocessArgs {
     /// Where to write `pixel_values` (f32) and `image_grid_thw` (i64).
     #[arg(long)]
     out: PathBuf,
+    /// Whose image processor to reproduce: transformers 5's two backends.
+    #[arg(long, value_parser = choice::of::<ImageBackend>(), default_value = "torchvision")]
+    image_backend: ImageBackend,
 }
 
 /// Runs `mmlora preprocess`.
@@ -29,8 +32,8 @@ pub fn run(args: PreprocessArgs) -> Result<(), CliError> {
     inputs.push(args.image.clone());
     check_not_an_input(&args.out, &inputs)?;
     let config = PreprocessConfig::from_model_dir(model.path())?;
-    let patches =
-        preprocess(&load_image(&args.image)?, &config).map_err(|e| e.in_file(&args.image))?;
+    let patches = preprocess(&load_image(&args.image)?, &config, args.image_backend)
+        .map_err(|e| e.in_file(&args.image))?;
     let grid = patches.grid_thw.map(|g| g as i64);
     write_safetensors(
         &args.out,

@@ -29,7 +29,9 @@ use crate::adapters::{AdapterError, PeftAdapter, install};
 use crate::models::{self, ModelError, PatchLayout, VisionTower};
 use crate::ops::kernels::{KernelError, KernelPins, Kernels};
 use crate::ops::lora::{LoraBatch, MAX_RANK};
-use crate::preprocess::{Patches, PreprocessConfig, PreprocessError, load_image, preprocess};
+use crate::preprocess::{
+    ImageBackend, Patches, PreprocessConfig, PreprocessError, load_image, preprocess,
+};
 use crate::routing::mapping::{
     AdapterRequest, EncoderCache, LoraState, MappingError, MmFeature, MmLoraActivation, Modality,
     PlaceholderRange, SpatialMergeCounts, set_active_mm_loras,
@@ -61,6 +63,9 @@ pub struct EngineOptions {
     /// kernel then chosen for the device ([`crate::ops::kernels`]). The environment variable
     /// [`crate::ops::kernels::ENV`] pins the ops these leave unnamed.
     pub kernels: KernelPins,
+    /// Whose resize and arithmetic the image processor reproduces: transformers 5's default
+    /// (torchvision) unless a model was trained or is served with the PIL one.
+    pub image_backend: ImageBackend,
 }
 
 impl Default for EngineOptions {
@@ -72,6 +77,7 @@ impl Default for EngineOptions {
             max_step_rows: 16_384,
             precision: Precision::F32,
             kernels: KernelPins::default(),
+            image_backend: ImageBackend::default(),
         }
     }
 }
@@ -284,7 +290,7 @@ impl Engine {
         let preprocess =
             PreprocessConfig::from_model_dir(model_dir).map_err(EngineError::Preprocess)?;
         let model = models::load(model_dir, &device.device)?;
-        if let Err(reason) = check_consistent(&preprocess, model.layout()) {
+        if let Err(reason) = check_consistent(&preprocess, options.image_backend, model.layout()) {
             return Err(EngineError::Inconsistent {
                 // Where the processor's settings came from; the folder where they are defaults.
                 path: PreprocessConfig::file_in(model_dir).unwrap_or_else(|| model_dir.to_owned()),
@@ -332,7 +338,7 @@ impl Engine {
         options: EngineOptions,
     ) -> Result<Self, EngineError> {
         check_options(&options, &device)?;
-        check_consistent(&preprocess, model.layout())
+        check_consistent(&preprocess, options.image_backend, model.layout())
             .map_err(|reason| EngineError::Options(format!("the image processor: {reason}")))?;
         check_stacks_fit(model.as_ref(), &options, &device)?;
         if let Some(limit) = device.buffer_limit {
@@ -480,7 +486,14 @@ impl Engine {
         self.check_adapters(requests)?;
         let patches = requests
             .iter()
-            .map(|request| request_patches(request, &self.preprocess, self.model.layout()))
+            .map(|request| {
+                request_patches(
+                    request,
+                    &self.preprocess,
+                    self.options.image_backend,
+                    self.model.layout(),
+                )
+            })
             .collect::<Result<Vec<_>, _>>()?;
         self.encode_patches(requests, &patches, with_tower)
     }
@@ -959,6 +972,7 @@ fn check_ids(requests: &[Request]) -> Result<(), EngineError> {
 fn request_patches(
     request: &Request,
     preprocess_config: &PreprocessConfig,
+    backend: ImageBackend,
     layout: PatchLayout,
 ) -> Result<Patches, EngineError> {
     let image_error = |source| EngineError::Image {
@@ -968,9 +982,12 @@ fn request_patches(
     let patches = match &request.image {
         ImageSource::File(path) => {
             let image = load_image(path).map_err(image_error)?;
-            preprocess(&image, preprocess_config).map_err(|e| image_error(e.in_file(path)))?
+            preprocess(&image, preprocess_config, backend)
+                .map_err(|e| image_error(e.in_file(path)))?
         }
-        ImageSource::Decoded(image) => preprocess(image, preprocess_config).map_err(image_error)?,
+        ImageSource::Decoded(image) => {
+            preprocess(image, preprocess_config, backend).map_err(image_error)?
+        }
         ImageSource::Patches(patches) => patches.clone(),
     };
     let [t, h, w] = patches.grid_thw;
@@ -1092,8 +1109,15 @@ fn check_stacks_fit(
 
 /// Whether the image processor's settings can run and cut patches the way the model reads
 /// them.
-fn check_consistent(preprocess: &PreprocessConfig, layout: PatchLayout) -> Result<(), String> {
-    if let Some((key, reason)) = preprocess.unusable_setting() {
+fn check_consistent(
+    preprocess: &PreprocessConfig,
+    backend: ImageBackend,
+    layout: PatchLayout,
+) -> Result<(), String> {
+    if let Some((key, reason)) = preprocess
+        .unusable_setting()
+        .or_else(|| preprocess.unusable_on(backend))
+    {
         return Err(format!("`{key}` {reason}"));
     }
     let fields = [

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::{Encoded, Engine, EngineError, Request, check_ids, request_patches};
 use crate::adapters::PeftAdapter;
 use crate::models::{LoraTarget, PatchLayout};
-use crate::preprocess::PreprocessConfig;
+use crate::preprocess::{ImageBackend, PreprocessConfig};
 use crate::runtime::device::RuntimeDevice;
 
 /// A cloneable handle on one [`Engine`], usable from any thread.
@@ -27,6 +27,7 @@ struct Inner {
     engine: Mutex<Engine>,
     /// What file work needs, copied out so it runs without the lock.
     preprocess: PreprocessConfig,
+    image_backend: ImageBackend,
     layout: PatchLayout,
     targets: Vec<LoraTarget>,
     max_rank: usize,
@@ -38,6 +39,7 @@ impl SharedEngine {
         Self {
             inner: Arc::new(Inner {
                 preprocess: engine.preprocess_config().clone(),
+                image_backend: engine.options().image_backend,
                 layout: engine.model().layout(),
                 targets: engine.model().lora_targets(),
                 max_rank: engine.options().max_rank,
@@ -78,7 +80,14 @@ impl SharedEngine {
         check_ids(requests)?;
         let patches = requests
             .iter()
-            .map(|request| request_patches(request, &self.inner.preprocess, self.inner.layout))
+            .map(|request| {
+                request_patches(
+                    request,
+                    &self.inner.preprocess,
+                    self.inner.image_backend,
+                    self.inner.layout,
+                )
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let mut engine = self.lock()?;
         engine.check_adapters(requests)?;

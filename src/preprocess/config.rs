@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::{MAX_DECODED_PIXELS, MAX_FACTOR, MAX_TEMPORAL_PATCH, PreprocessError};
+use super::{
+    ImageBackend, MAX_DECODED_PIXELS, MAX_FACTOR, MAX_TEMPORAL_PATCH, PreprocessError, Resample,
+};
 
 /// The processor's settings, as a model folder gives them ([`PreprocessConfig::from_model_dir`]).
 #[derive(Debug, Clone, PartialEq)]
@@ -26,93 +28,12 @@ pub struct PreprocessConfig {
     pub image_mean: [f32; 3],
     /// Per-channel standard deviation divided by after subtracting the mean.
     pub image_std: [f32; 3],
+    /// Whether the mean and std step runs (`do_normalize`). Switched off, the mean is 0 and
+    /// the std 1, which is the same step for the PIL backend; the torchvision backend folds
+    /// the rescale into that step, so its arithmetic differs with the step off.
+    pub do_normalize: bool,
     /// The filter images are resized with.
     pub resample: Resample,
-}
-
-/// Pillow's resampling filters that resize by convolution, by their `resample` numbers
-/// (nearest, 0, is not one: Pillow resizes with it by another path).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Resample {
-    /// 1.
-    Lanczos,
-    /// 2.
-    Bilinear,
-    /// 3, the processor's default.
-    Bicubic,
-    /// 4.
-    Box,
-    /// 5.
-    Hamming,
-}
-
-impl Resample {
-    /// The filter Pillow numbers `number`, if it resizes by convolution.
-    pub fn from_pil(number: u32) -> Option<Self> {
-        Some(match number {
-            1 => Self::Lanczos,
-            2 => Self::Bilinear,
-            3 => Self::Bicubic,
-            4 => Self::Box,
-            5 => Self::Hamming,
-            _ => return None,
-        })
-    }
-
-    /// How far from its centre the filter reaches, in input pixels at scale 1.
-    pub(super) fn support(self) -> f64 {
-        match self {
-            Self::Box => 0.5,
-            Self::Bilinear | Self::Hamming => 1.0,
-            Self::Bicubic => 2.0,
-            Self::Lanczos => 3.0,
-        }
-    }
-
-    /// The filter's weight at `x` (Pillow's `Resample.c`, constants as there: Hamming's are
-    /// C `float`s).
-    pub(super) fn weight(self, x: f64) -> f64 {
-        let sinc = |x: f64| {
-            if x == 0.0 {
-                1.0
-            } else {
-                (x * std::f64::consts::PI).sin() / (x * std::f64::consts::PI)
-            }
-        };
-        match self {
-            Self::Box => f64::from(u8::from(x > -0.5 && x <= 0.5)),
-            Self::Bilinear => (1.0 - x.abs()).max(0.0),
-            Self::Hamming => {
-                let x = x.abs();
-                if x == 0.0 {
-                    1.0
-                } else if x >= 1.0 {
-                    0.0
-                } else {
-                    let x = x * std::f64::consts::PI;
-                    x.sin() / x * (f64::from(0.54f32) + f64::from(0.46f32) * x.cos())
-                }
-            }
-            Self::Bicubic => {
-                const A: f64 = -0.5;
-                let x = x.abs();
-                if x < 1.0 {
-                    ((A + 2.0) * x - (A + 3.0)) * x * x + 1.0
-                } else if x < 2.0 {
-                    (((x - 5.0) * x + 8.0) * x - 4.0) * A
-                } else {
-                    0.0
-                }
-            }
-            Self::Lanczos => {
-                if (-3.0..3.0).contains(&x) {
-                    sinc(x) * sinc(x / 3.0)
-                } else {
-                    0.0
-                }
-            }
-        }
-    }
 }
 
 impl Default for PreprocessConfig {
@@ -127,6 +48,7 @@ impl Default for PreprocessConfig {
             rescale_factor: 1.0 / 255.0,
             image_mean: [0.481_454_66, 0.457_827_5, 0.408_210_73],
             image_std: [0.268_629_54, 0.261_302_6, 0.275_777_1],
+            do_normalize: true,
             resample: Resample::Bicubic,
         }
     }
@@ -299,6 +221,7 @@ impl PreprocessConfig {
                 Some(false) => [1.0; 3],
                 _ => file.image_std.unwrap_or(default.image_std),
             },
+            do_normalize: file.do_normalize.unwrap_or(default.do_normalize),
             resample: file
                 .resample
                 .and_then(Resample::from_pil)
@@ -413,6 +336,21 @@ impl PreprocessConfig {
             return Some(("image_mean", format!("holds {mean}")));
         }
         None
+    }
+
+    /// The setting (key and why) that `backend` cannot run, if any: torchvision has no box or
+    /// Hamming resize.
+    pub fn unusable_on(&self, backend: ImageBackend) -> Option<(&'static str, String)> {
+        (!self.resample.runs_on(backend)).then(|| {
+            (
+                "resample",
+                format!(
+                    "is {:?}, which the {backend} backend cannot resize with (torch's \
+                     interpolate has no such filter); use the pil backend",
+                    self.resample
+                ),
+            )
+        })
     }
 
     /// Values per patch row: channels × frames × patch².

@@ -179,7 +179,7 @@ mod tests {
     /// (transform 2, progressive, its chroma subsampled 2×2; written by libjpeg through
     /// `mozjpeg`'s `Compress` from CMYK with `set_color_space(JCS_YCCK)`, since Pillow writes
     /// none), each against Pillow 11.3's own `Image.open(f).convert("RGB")` saved as PNG beside
-    /// it: the same pixels exactly.
+    /// it (Pillow 13 converts them to the same pixels): the same pixels exactly.
     #[test]
     fn grayscale_cmyk_and_ycck_decode_as_pillow_converts_them() {
         let root = env!("CARGO_MANIFEST_DIR");

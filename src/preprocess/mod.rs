@@ -1,13 +1,14 @@
-//! The Qwen2-VL image processor: the same numbers as Hugging Face's PIL-flavoured
-//! `Qwen2VLImageProcessor`, step by step:
+//! The Qwen2-VL image processor (which Qwen2.5-VL and Qwen3-VL share): the same numbers as
+//! transformers' `Qwen2VLImageProcessor` with either of its backends, step by step:
 //!
 //! decode → RGB → smart_resize to multiples of `patch · merge` → resize (bicubic unless the
-//! config names another of Pillow's filters) exactly as Pillow does it on `uint8` → ×1/255 →
-//! CLIP mean/std → two identical frames → patches flattened merge-block-major, each row laid
-//! out `[C][T][patch][patch]`.
+//! config names another filter) on `uint8` exactly as the backend does it (torch's
+//! antialiased `interpolate`, or Pillow) → rescale and normalise in the backend's order of
+//! operations → identical frames → patches flattened merge-block-major, each row laid out
+//! `[C][T][patch][patch]`.
 //!
 //! By job: [`config`] reads the processor's settings, [`decode`] turns files into RGB as
-//! Pillow does, `resample` resizes as Pillow does; this file cuts the patches.
+//! Pillow does, `resample` resizes as each backend does; this file cuts the patches.
 
 pub mod config;
 pub mod decode;
@@ -18,9 +19,38 @@ use std::path::{Path, PathBuf};
 
 use image::RgbImage;
 
-pub use config::{PreprocessConfig, Resample};
+pub use config::PreprocessConfig;
 pub use decode::{MAX_DECODED_PIXELS, load_image};
+pub use resample::Resample;
 use resample::resize;
+
+/// Which of transformers' image-processor backends to reproduce. They decode alike and differ
+/// in the resize (one 8-bit level here and there on downscales; more where Pillow 13 runs its
+/// passes in the other order) and in the float arithmetic of the normalisation.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    Default,
+    PartialEq,
+    Eq,
+    strum::Display,
+    strum::IntoStaticStr,
+    strum::EnumString,
+    strum::VariantArray,
+    strum::VariantNames,
+    strum::EnumMessage,
+)]
+#[strum(serialize_all = "kebab-case")]
+pub enum ImageBackend {
+    /// torchvision's, which `AutoImageProcessor` and `AutoProcessor` load by default in
+    /// transformers 5 (and vLLM and SGLang with them): torch's antialiased resize on `uint8`.
+    #[default]
+    Torchvision,
+    /// Pillow's (`backend="pil"` in transformers 5, the only one transformers 4 had by
+    /// default): Pillow 13's resize.
+    Pil,
+}
 
 /// Errors reading images or processor settings.
 #[derive(Debug, thiserror::Error)]
@@ -188,9 +218,16 @@ pub fn smart_resize(
     Ok((h_bar as usize, w_bar as usize))
 }
 
-/// Runs the processor on one image.
-pub fn preprocess(image: &RgbImage, config: &PreprocessConfig) -> Result<Patches, PreprocessError> {
-    if let Some((key, reason)) = config.unusable_setting() {
+/// Runs the processor on one image, as `backend` does.
+pub fn preprocess(
+    image: &RgbImage,
+    config: &PreprocessConfig,
+    backend: ImageBackend,
+) -> Result<Patches, PreprocessError> {
+    if let Some((key, reason)) = config
+        .unusable_setting()
+        .or_else(|| config.unusable_on(backend))
+    {
         return Err(PreprocessError::Unusable { key, reason });
     }
     let factor = config.patch_size * config.merge_size;
@@ -204,15 +241,11 @@ pub fn preprocess(image: &RgbImage, config: &PreprocessConfig) -> Result<Patches
     let resized = if (width, height) == (image.width() as usize, image.height() as usize) {
         image.clone()
     } else {
-        resize(image, width, height, config.resample)
+        resize(image, width, height, config.resample, backend)
     };
-
-    // ×rescale_factor in f64 then f32, then (x − mean) / std in f32, as transformers' numpy path
-    // does.
+    let values = normalised_values(config, backend);
     let pixel = |c: usize, y: usize, x: usize| -> f32 {
-        let value = resized.get_pixel(x as u32, y as u32)[c];
-        let scaled = (f64::from(value) * config.rescale_factor) as f32;
-        (scaled - config.image_mean[c]) / config.image_std[c]
+        values[c][usize::from(resized.get_pixel(x as u32, y as u32)[c])]
     };
 
     let (p, t, m) = (
@@ -238,6 +271,26 @@ pub fn preprocess(image: &RgbImage, config: &PreprocessConfig) -> Result<Patches
     Ok(Patches {
         pixel_values,
         grid_thw: [1, gh, gw],
+    })
+}
+
+/// Each channel's value for each byte, in `backend`'s arithmetic:
+/// - PIL (numpy): × `rescale_factor` in f64, then f32; (x − mean) / std in f32.
+/// - torchvision: the rescale folded into the normalisation, mean and std in f32 each times
+///   the f32 of 1 / `rescale_factor`, then (x − mean′) / std′ in f32; with the normalisation
+///   off, x × the f32 of `rescale_factor`.
+fn normalised_values(config: &PreprocessConfig, backend: ImageBackend) -> [[f32; 256]; 3] {
+    let rescale = config.rescale_factor;
+    std::array::from_fn(|c| {
+        let (mean, std) = (config.image_mean[c], config.image_std[c]);
+        std::array::from_fn(|byte| match backend {
+            ImageBackend::Pil => ((byte as f64 * rescale) as f32 - mean) / std,
+            ImageBackend::Torchvision if config.do_normalize => {
+                let inverse = (1.0 / rescale) as f32;
+                (byte as f32 - mean * inverse) / (std * inverse)
+            }
+            ImageBackend::Torchvision => byte as f32 * rescale as f32,
+        })
     })
 }
 
@@ -323,7 +376,7 @@ mod tests {
             let patch = (y / 14) * 4 + x / 14;
             image::Rgb([patch as u8 * 10, 0, 0])
         });
-        let patches = preprocess(&image, &config).unwrap();
+        let patches = preprocess(&image, &config, ImageBackend::Pil).unwrap();
         assert_eq!(patches.grid_thw, [1, 4, 4]);
         let red = |row: usize| patches.pixel_values[row * config.patch_len()];
         let expected_patch_order = [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15];
@@ -552,7 +605,7 @@ mod tests {
                 ..PreprocessConfig::default()
             },
         ] {
-            match preprocess(&thin, &config) {
+            match preprocess(&thin, &config, ImageBackend::default()) {
                 Err(PreprocessError::Unusable { .. }) => {}
                 other => panic!("{config:?}: {other:?}"),
             }
