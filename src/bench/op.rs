@@ -28,6 +28,7 @@ use crate::ops::linear::choice::LinearChoice;
 use crate::ops::lora::{LoraBatch, LoraSlice, ShrinkKernel, choice, lora_apply};
 use crate::routing::meta::KernelMeta;
 use crate::runtime::device::{Precision, RuntimeDevice};
+use crate::runtime::named::named_choice;
 use crate::runtime::timing::time_per_call;
 
 /// Output columns of the narrow op: its expand adds a vector of four values to each row.
@@ -36,30 +37,18 @@ pub const NARROW_COLUMNS: usize = 4;
 /// Calls between two device syncs in the back-to-back timings.
 pub const BACK_TO_BACK_CALLS: u32 = 10;
 
-/// How the op's rows take the adapters.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    Default,
-    PartialEq,
-    Eq,
-    strum::Display,
-    strum::IntoStaticStr,
-    strum::EnumString,
-    strum::VariantArray,
-    strum::VariantNames,
-    strum::EnumMessage,
-)]
-#[strum(serialize_all = "kebab-case")]
-pub enum OpMix {
-    /// Row `r` takes adapter `r % adapters`: no two neighbouring rows share one, the worst case
-    /// for a kernel that shares an adapter's loads among neighbouring rows (the fused store).
-    #[default]
-    Rows,
-    /// The rows split into `adapters` runs of (nearly) equal length, one adapter each, as an
-    /// engine batch holds its images' tokens.
-    Runs,
+named_choice! {
+    /// How the op's rows take the adapters.
+    #[derive(Default)]
+    pub enum OpMix {
+        /// Row `r` takes adapter `r % adapters`: no two neighbouring rows share one, the worst case
+        /// for a kernel that shares an adapter's loads among neighbouring rows (the fused store).
+        #[default]
+        Rows,
+        /// The rows split into `adapters` runs of (nearly) equal length, one adapter each, as an
+        /// engine batch holds its images' tokens.
+        Runs,
+    }
 }
 
 impl OpMix {

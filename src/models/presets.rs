@@ -8,44 +8,33 @@ use crate::models::qwen2_5_vl::{Qwen25VlConfig, Qwen25VlVision};
 use crate::models::qwen2_vl::{Qwen2VlVision, VisionConfig};
 use crate::models::qwen3_vl::{Qwen3VlConfig, Qwen3VlVision};
 use crate::models::tower::{PatchLayout, VisionTower};
+use crate::runtime::named::named_choice;
 
-/// A model shape with random weights: for tests and benchmarks.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    strum::Display,
-    strum::IntoStaticStr,
-    strum::EnumString,
-    strum::VariantArray,
-    strum::VariantNames,
-    strum::EnumMessage,
-)]
-#[strum(serialize_all = "kebab-case")]
-pub enum Preset {
-    /// The bundled test model's shape (Qwen2-VL's): 2 blocks, width 32.
-    Tiny,
-    /// Qwen2-VL-2B's vision tower and merger: 32 blocks, width 1280, 16 heads, MLP 5120,
-    /// merger to 1536.
-    #[strum(serialize = "qwen2-vl-2b")]
-    Qwen2Vl2b,
-    /// Qwen2.5-VL-3B's: 32 blocks (4 of full attention, the others in windows of 112 px),
-    /// width 1280, 16 heads, SwiGLU MLP 3420, merger to 2048.
-    #[strum(serialize = "qwen2.5-vl-3b")]
-    Qwen25Vl3b,
-    /// Qwen2.5-VL-7B's: Qwen2.5-VL-3B's tower, merger to 3584.
-    #[strum(serialize = "qwen2.5-vl-7b")]
-    Qwen25Vl7b,
-    /// Qwen3-VL-2B's: 24 blocks, width 1024, 16 heads, MLP 4096, patches of 16, mergers to
-    /// 2048 (deepstack after blocks 5, 11, 17).
-    #[strum(serialize = "qwen3-vl-2b")]
-    Qwen3Vl2b,
-    /// Qwen3-VL-8B's: 27 blocks, width 1152, 16 heads, MLP 4304, patches of 16, mergers to
-    /// 4096 (deepstack after blocks 8, 16, 24).
-    #[strum(serialize = "qwen3-vl-8b")]
-    Qwen3Vl8b,
+named_choice! {
+    /// A model shape with random weights: for tests and benchmarks.
+    pub enum Preset {
+        /// The bundled test model's shape (Qwen2-VL's): 2 blocks, width 32.
+        Tiny,
+        /// Qwen2-VL-2B's vision tower and merger: 32 blocks, width 1280, 16 heads, MLP 5120,
+        /// merger to 1536.
+        #[strum(serialize = "qwen2-vl-2b")]
+        Qwen2Vl2b,
+        /// Qwen2.5-VL-3B's: 32 blocks (4 of full attention, the others in windows of 112 px),
+        /// width 1280, 16 heads, SwiGLU MLP 3420, merger to 2048.
+        #[strum(serialize = "qwen2.5-vl-3b")]
+        Qwen25Vl3b,
+        /// Qwen2.5-VL-7B's: Qwen2.5-VL-3B's tower, merger to 3584.
+        #[strum(serialize = "qwen2.5-vl-7b")]
+        Qwen25Vl7b,
+        /// Qwen3-VL-2B's: 24 blocks, width 1024, 16 heads, MLP 4096, patches of 16, mergers to
+        /// 2048 (deepstack after blocks 5, 11, 17).
+        #[strum(serialize = "qwen3-vl-2b")]
+        Qwen3Vl2b,
+        /// Qwen3-VL-8B's: 27 blocks, width 1152, 16 heads, MLP 4304, patches of 16, mergers to
+        /// 4096 (deepstack after blocks 8, 16, 24).
+        #[strum(serialize = "qwen3-vl-8b")]
+        Qwen3Vl8b,
+    }
 }
 
 /// A preset's config, of its family.

@@ -19,37 +19,27 @@ use std::path::{Path, PathBuf};
 
 use image::RgbImage;
 
+use crate::runtime::named::named_choice;
 pub use config::PreprocessConfig;
 pub use decode::{MAX_DECODED_PIXELS, load_image};
 pub use resample::Resample;
 use resample::resize;
 
-/// Which of transformers' image-processor backends to reproduce. They decode alike and differ
-/// in the resize (one 8-bit level here and there on downscales; more where Pillow 13 runs its
-/// passes in the other order) and in the float arithmetic of the normalisation.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    Default,
-    PartialEq,
-    Eq,
-    strum::Display,
-    strum::IntoStaticStr,
-    strum::EnumString,
-    strum::VariantArray,
-    strum::VariantNames,
-    strum::EnumMessage,
-)]
-#[strum(serialize_all = "kebab-case")]
-pub enum ImageBackend {
-    /// torchvision's, which `AutoImageProcessor` and `AutoProcessor` load by default in
-    /// transformers 5 (and vLLM and SGLang with them): torch's antialiased resize on `uint8`.
-    #[default]
-    Torchvision,
-    /// Pillow's (`backend="pil"` in transformers 5, the only one transformers 4 had by
-    /// default): Pillow 13's resize.
-    Pil,
+named_choice! {
+    /// Which of transformers' image-processor backends to reproduce. They decode alike and
+    /// differ in the resize (one 8-bit level here and there on downscales; more where Pillow 13
+    /// runs its passes in the other order) and in the float arithmetic of the normalisation.
+    #[derive(Default)]
+    pub enum ImageBackend {
+        /// torchvision's, which `AutoImageProcessor` and `AutoProcessor` load in transformers 5
+        /// wherever torchvision is installed (vLLM's CUDA requirements pin it): torch's
+        /// antialiased resize on `uint8`.
+        #[default]
+        Torchvision,
+        /// Pillow's: `backend="pil"` in transformers 5, transformers 4's `Qwen2VLImageProcessor`;
+        /// Pillow 13's resize.
+        Pil,
+    }
 }
 
 /// Errors reading images or processor settings.

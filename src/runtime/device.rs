@@ -2,57 +2,34 @@
 
 use std::sync::{Mutex, PoisonError};
 
+use super::named::named_choice;
 use burn::tensor::wgpu::{WgpuBackend, WgpuInitError, WgpuSetup, wgpu};
 use burn::tensor::{DType, Device};
 
-/// Which backend to run on; named in kebab case (`auto`, `cpu`, `gpu`).
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    strum::Display,
-    strum::IntoStaticStr,
-    strum::EnumString,
-    strum::VariantArray,
-    strum::VariantNames,
-    strum::EnumMessage,
-)]
-#[strum(serialize_all = "kebab-case")]
-pub enum DeviceChoice {
-    /// A hardware GPU when wgpu has one, else the CPU backend (a software rasterizer such as
-    /// lavapipe is slower than the CPU backend).
-    Auto,
-    /// Burn's CPU backend (Flex): the reference path.
-    Cpu,
-    /// Burn's wgpu backend with our WGSL kernels.
-    Gpu,
+named_choice! {
+    /// Which backend to run on; named in kebab case (`auto`, `cpu`, `gpu`).
+    pub enum DeviceChoice {
+        /// A hardware GPU when wgpu has one, else the CPU backend (a software rasterizer such as
+        /// lavapipe is slower than the CPU backend).
+        Auto,
+        /// Burn's CPU backend (Flex): the reference path.
+        Cpu,
+        /// Burn's wgpu backend with our WGSL kernels.
+        Gpu,
+    }
 }
 
-/// The float type the model computes in; named `f32` or `f16`.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    Default,
-    PartialEq,
-    Eq,
-    strum::Display,
-    strum::IntoStaticStr,
-    strum::EnumString,
-    strum::VariantArray,
-    strum::VariantNames,
-    strum::EnumMessage,
-)]
-#[strum(serialize_all = "kebab-case")]
-pub enum Precision {
-    /// 32-bit floats everywhere: the reference.
-    #[default]
-    F32,
-    /// 16-bit weights, activations and matmuls on a GPU with `SHADER_F16` (norms and softmax
-    /// in f32; bf16 checkpoints compute this way too, as wgpu has no bf16).
-    F16,
+named_choice! {
+    /// The float type the model computes in; named `f32` or `f16`.
+    #[derive(Default)]
+    pub enum Precision {
+        /// 32-bit floats everywhere: the reference.
+        #[default]
+        F32,
+        /// 16-bit weights, activations and matmuls on a GPU with `SHADER_F16` (norms and softmax
+        /// in f32; bf16 checkpoints compute this way too, as wgpu has no bf16).
+        F16,
+    }
 }
 
 impl Precision {

@@ -24,6 +24,7 @@ use crate::ops::hardware;
 use crate::runtime::device::{DeviceClass, RuntimeDevice};
 use crate::runtime::exp::exp;
 use crate::runtime::flex::{element, strided};
+use crate::runtime::named::named_choice;
 
 /// Queries per rayon task on Flex: a whole 256-patch image of the 2B tower (its scores 256 KiB
 /// of f32, within a core's L2), so each head's keys are packed for `gemm` once; 64 and 128
@@ -63,34 +64,21 @@ pub trait SdpaBackend: Backend {
     }
 }
 
-/// Which implementation computes attention.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Hash,
-    Default,
-    strum::Display,
-    strum::IntoStaticStr,
-    strum::EnumString,
-    strum::VariantArray,
-    strum::VariantNames,
-    strum::EnumMessage,
-)]
-#[strum(serialize_all = "kebab-case")]
-pub enum AttentionKernel {
-    /// Per device ([`AttentionKernel::resolve`]): `fused` on a hardware GPU (once its shader has
-    /// passed its tests on one), `burn` elsewhere. Unresolved, it runs as `burn`.
-    #[default]
-    Auto,
-    /// [`SdpaBackend::attend`]: Burn's ops on the GPU ([`composed`]), mmlora's own pass on the
-    /// CPU.
-    Burn,
-    /// [`SdpaBackend::attend_fused`]: one WGSL kernel on the GPU, the same pass as `Burn` on
-    /// the CPU.
-    Fused,
+named_choice! {
+    /// Which implementation computes attention.
+    #[derive(Hash, Default)]
+    pub enum AttentionKernel {
+        /// Per device ([`AttentionKernel::resolve`]): `fused` on a hardware GPU (once its shader
+        /// has passed its tests on one), `burn` elsewhere. Unresolved, it runs as `burn`.
+        #[default]
+        Auto,
+        /// [`SdpaBackend::attend`]: Burn's ops on the GPU ([`composed`]), mmlora's own pass on the
+        /// CPU.
+        Burn,
+        /// [`SdpaBackend::attend_fused`]: one WGSL kernel on the GPU, the same pass as `Burn` on
+        /// the CPU.
+        Fused,
+    }
 }
 
 impl AttentionKernel {

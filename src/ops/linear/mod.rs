@@ -53,59 +53,48 @@ use burn::tensor::{DType, Shape, Tensor};
 use std::sync::LazyLock;
 
 use crate::runtime::device::{DeviceClass, RuntimeDevice};
+use crate::runtime::named::named_choice;
 use crate::runtime::wgsl::Elem;
 
-/// Which kernel computes a linear layer's base product on a wgpu device.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    Default,
-    PartialEq,
-    Eq,
-    Hash,
-    strum::Display,
-    strum::IntoStaticStr,
-    strum::EnumString,
-    strum::VariantArray,
-    strum::VariantNames,
-    strum::EnumMessage,
-)]
-#[strum(serialize_all = "kebab-case")]
-pub enum LinearKernel {
-    /// `wgsl` on a software rasterizer (lavapipe), where it is measured faster; `timed` on a
-    /// hardware GPU; `burn` on the CPU.
-    #[default]
-    Auto,
-    /// The fastest for each shape of the device's candidates (`burn` and `tiled` on a hardware
-    /// GPU, and the `coop` kernels in f16 where they run; `wgsl` and `burn` on a software one),
-    /// timed on the device the first time a product of that shape runs, each output checked
-    /// against Burn's product in f32 first (the [`choice`] module).
-    Timed,
-    /// Burn's matmul, then the bias added.
-    Burn,
-    /// `shaders/linear/linear.wgsl` (sums in registers, for software rasterizers), where every
-    /// width is a multiple of 4 (else Burn's).
-    Wgsl,
-    /// `shaders/linear/linear_tiled.wgsl` (blocks in workgroup memory, for hardware GPUs), where
-    /// every width is a multiple of 4 and the device's workgroups take its 256 invocations (else
-    /// Burn's).
-    Tiled,
-    /// `shaders/linear/linear_coop.wgsl` (cooperative matrices: tensor cores) for f16 tensors,
-    /// where every width is a multiple of 4 and the device's subgroups and workgroups fit the
-    /// kernel (else Burn's). Only for a device that offers cooperative matrices (`mmlora devices`
-    /// says): the engine refuses it elsewhere.
-    Coop,
-    /// `shaders/linear/linear_coop.wgsl` as `Coop`, in [`CoopTiling::Wide`]: four subgroups of 32
-    /// per workgroup, each summing a 64 × 64 cell, so that it loads half a matrix from workgroup
-    /// memory per product, against three quarters in `Coop`'s 32 × 64 cells at subgroups of 32.
-    /// Only for a device with cooperative matrices and subgroups of 32 alone.
-    CoopWide,
-    /// `shaders/linear/linear_coop_direct.wgsl`, in [`CoopTiling::Direct`]: `CoopWide`'s cells,
-    /// each matrix loaded straight from `x` and `Wᵀ` rather than staged through workgroup memory,
-    /// where `in` is a multiple of 16 and there are at least 16 rows and 16 output columns
-    /// (else Burn's). Only for a device with cooperative matrices and subgroups of 32 alone.
-    CoopDirect,
+named_choice! {
+    /// Which kernel computes a linear layer's base product on a wgpu device.
+    #[derive(Default, Hash)]
+    pub enum LinearKernel {
+        /// `wgsl` on a software rasterizer (lavapipe), where it is measured faster; `timed` on a
+        /// hardware GPU; `burn` on the CPU.
+        #[default]
+        Auto,
+        /// The fastest for each shape of the device's candidates (`burn` and `tiled` on a hardware
+        /// GPU, and the `coop` kernels in f16 where they run; `wgsl` and `burn` on a software one),
+        /// timed on the device the first time a product of that shape runs, each output checked
+        /// against Burn's product in f32 first (the [`choice`] module).
+        Timed,
+        /// Burn's matmul, then the bias added.
+        Burn,
+        /// `shaders/linear/linear.wgsl` (sums in registers, for software rasterizers), where every
+        /// width is a multiple of 4 (else Burn's).
+        Wgsl,
+        /// `shaders/linear/linear_tiled.wgsl` (blocks in workgroup memory, for hardware GPUs),
+        /// where every width is a multiple of 4 and the device's workgroups take its 256
+        /// invocations (else Burn's).
+        Tiled,
+        /// `shaders/linear/linear_coop.wgsl` (cooperative matrices: tensor cores) for f16 tensors,
+        /// where every width is a multiple of 4 and the device's subgroups and workgroups fit the
+        /// kernel (else Burn's). Only for a device that offers cooperative matrices (`mmlora
+        /// devices` says): the engine refuses it elsewhere.
+        Coop,
+        /// `shaders/linear/linear_coop.wgsl` as `Coop`, in [`CoopTiling::Wide`]: four subgroups of
+        /// 32 per workgroup, each summing a 64 × 64 cell, so that it loads half a matrix from
+        /// workgroup memory per product, against three quarters in `Coop`'s 32 × 64 cells at
+        /// subgroups of 32. Only for a device with cooperative matrices and subgroups of 32 alone.
+        CoopWide,
+        /// `shaders/linear/linear_coop_direct.wgsl`, in [`CoopTiling::Direct`]: `CoopWide`'s cells,
+        /// each matrix loaded straight from `x` and `Wᵀ` rather than staged through workgroup
+        /// memory, where `in` is a multiple of 16 and there are at least 16 rows and 16 output
+        /// columns (else Burn's). Only for a device with cooperative matrices and subgroups of 32
+        /// alone.
+        CoopDirect,
+    }
 }
 
 /// Linear layers' products with a faster implementation than Burn's on some backend.

@@ -40,6 +40,7 @@ use burn::tensor::{DType, Device, Int, Shape, Tensor, TensorData};
 use crate::ops::linear::{self, LinearBackend, LinearShader};
 use crate::routing::meta::{KernelMeta, MetaError};
 use crate::runtime::device::{DeviceClass, RuntimeDevice};
+use crate::runtime::named::named_choice;
 
 /// The largest adapter rank the op accepts (vLLM's largest `max_lora_rank`).
 pub const MAX_RANK: usize = 512;
@@ -50,44 +51,31 @@ pub const TILE_ROWS: usize = 16;
 /// [`TILE_ROWS`] as [`KernelMeta::tiles`] takes it.
 const TILE: NonZeroUsize = NonZeroUsize::new(TILE_ROWS).expect("tiles hold rows");
 
-/// Which shader computes the shrink (`x · A[slot]ᵀ`) on a wgpu device; the CPU backend has one
-/// implementation and ignores it.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    Default,
-    PartialEq,
-    Eq,
-    Hash,
-    strum::Display,
-    strum::IntoStaticStr,
-    strum::EnumString,
-    strum::VariantArray,
-    strum::VariantNames,
-    strum::EnumMessage,
-)]
-#[strum(serialize_all = "kebab-case")]
-pub enum ShrinkKernel {
-    /// `registers` on a software rasterizer (lavapipe), where it is measured faster; `timed`
-    /// on a hardware GPU (the CPU backend has one shrink of its own).
-    #[default]
-    Auto,
-    /// The faster of `split` and `wide` for each shape, timed on the device the first time the
-    /// op runs on it (the `ops::lora::choice` module); for hardware GPUs.
-    Timed,
-    /// `shaders/lora/lora_shrink.wgsl`: 64 threads per tile, each four rows by the whole rank block
-    /// over every 16th column, for hardware GPUs.
-    Split,
-    /// `split`'s shaders with 256 threads per tile: the shrink's threads each sum every 64th
-    /// column, and the aligned (`vec4`) expand's each add to four rows rather than all sixteen
-    /// (the scalar expand keeps 64). Four times the loads in flight, for hardware GPUs whose
-    /// many cores `split` leaves idle at few rows.
-    Wide,
-    /// `shaders/lora/lora_shrink_registers.wgsl`: 8 threads per tile (one llvmpipe SIMD vector),
-    /// each every row by the whole rank block over every 8th column, its sums in registers; for
-    /// software rasterizers.
-    Registers,
+named_choice! {
+    /// Which shader computes the shrink (`x · A[slot]ᵀ`) on a wgpu device; the CPU backend has one
+    /// implementation and ignores it.
+    #[derive(Default, Hash)]
+    pub enum ShrinkKernel {
+        /// `registers` on a software rasterizer (lavapipe), where it is measured faster; `timed`
+        /// on a hardware GPU (the CPU backend has one shrink of its own).
+        #[default]
+        Auto,
+        /// The faster of `split` and `wide` for each shape, timed on the device the first time the
+        /// op runs on it (the `ops::lora::choice` module); for hardware GPUs.
+        Timed,
+        /// `shaders/lora/lora_shrink.wgsl`: 64 threads per tile, each four rows by the whole rank
+        /// block over every 16th column, for hardware GPUs.
+        Split,
+        /// `split`'s shaders with 256 threads per tile: the shrink's threads each sum every 64th
+        /// column, and the aligned (`vec4`) expand's each add to four rows rather than all sixteen
+        /// (the scalar expand keeps 64). Four times the loads in flight, for hardware GPUs whose
+        /// many cores `split` leaves idle at few rows.
+        Wide,
+        /// `shaders/lora/lora_shrink_registers.wgsl`: 8 threads per tile (one llvmpipe SIMD
+        /// vector), each every row by the whole rank block over every 8th column, its sums in
+        /// registers; for software rasterizers.
+        Registers,
+    }
 }
 
 impl ShrinkKernel {
