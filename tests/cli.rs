@@ -657,6 +657,9 @@ fn bench_prints_one_json_object_per_configuration() {
         ] {
             assert!(!record[field].is_null(), "{field} missing in {record}");
         }
+        let rounds = record["round_ms"].as_array().unwrap();
+        assert_eq!(rounds.len(), 1, "one round: {record}");
+        assert!(rounds[0].as_f64().unwrap() > 0.0, "{record}");
         assert_eq!([&record["kind"], &record["device"]], ["throughput", "cpu"]);
     }
     let out = mmlora(&["bench", "--preset", "tiny", "--adapters", "0"]);

@@ -206,6 +206,8 @@ pub struct BenchRecord {
     /// Base time / this time, the median over rounds of that ratio within each round (1 for the
     /// base itself; above 0.95 is the target).
     pub ratio_vs_base: f64,
+    /// Each round's time of one batch, in order: the spread behind the medians.
+    pub round_ms: Vec<f64>,
 }
 
 /// Runs `spec` on `device`, telling `progress` what it is doing.
@@ -275,6 +277,7 @@ pub fn run(
                 median_ms,
                 img_per_s: spec.images as f64 / (median_ms / 1e3),
                 ratio_vs_base: paired_ratio(&times[0], own),
+                round_ms: own.clone(),
             }
         })
         .collect())
