@@ -3,6 +3,7 @@
 //!
 //! The modules are layers, each importing only from the ones below it (`tests/layers.rs` checks
 //! this, and that no modules form a cycle); ARCHITECTURE.md walks one batch through them:
+//! - `named`: the one way the user's named choices are declared (a macro), beneath everything.
 //! - [`runtime`]: the device, the one WGSL launch path, Flex memory helpers, timing.
 //! - [`routing`]: which adapter each row belongs to ([`routing::mapping`], vLLM's
 //!   `set_active_mm_loras`) and the rows grouped by adapter slot ([`routing::meta`]).
@@ -25,6 +26,7 @@ pub mod files;
 #[cfg(feature = "testkit")]
 pub mod fuzzing;
 pub mod models;
+mod named;
 pub mod nn;
 pub mod ops;
 pub mod preprocess;

@@ -13,6 +13,7 @@ use regex::Regex;
 /// The layers, bottom first. A module may use its own files and the modules of lower layers;
 /// modules of one layer are independent of each other.
 const LAYERS: &[&[&str]] = &[
+    &["named"],
     &["runtime", "routing", "preprocess", "files"],
     &["ops"],
     &["nn"],

@@ -22,13 +22,13 @@ use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use serde::Serialize;
 
 use crate::models::qwen2_vl::DEFAULT_BUFFER_LIMIT;
+use crate::named::named_choice;
 use crate::nn::LoraLinear;
 use crate::ops::linear::LinearKernel;
 use crate::ops::linear::choice::LinearChoice;
 use crate::ops::lora::{LoraBatch, LoraSlice, ShrinkKernel, choice, lora_apply};
 use crate::routing::meta::KernelMeta;
 use crate::runtime::device::{Precision, RuntimeDevice};
-use crate::runtime::named::named_choice;
 use crate::runtime::timing::time_per_call;
 
 /// Output columns of the narrow op: its expand adds a vector of four values to each row.

@@ -8,7 +8,7 @@ use crate::models::qwen2_5_vl::{Qwen25VlConfig, Qwen25VlVision};
 use crate::models::qwen2_vl::{Qwen2VlVision, VisionConfig};
 use crate::models::qwen3_vl::{Qwen3VlConfig, Qwen3VlVision};
 use crate::models::tower::{PatchLayout, VisionTower};
-use crate::runtime::named::named_choice;
+use crate::named::named_choice;
 
 named_choice! {
     /// A model shape with random weights: for tests and benchmarks.

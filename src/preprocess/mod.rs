@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use image::RgbImage;
 
-use crate::runtime::named::named_choice;
+use crate::named::named_choice;
 pub use config::PreprocessConfig;
 pub use decode::{MAX_DECODED_PIXELS, load_image};
 pub use resample::Resample;

@@ -2,7 +2,7 @@
 
 use std::sync::{Mutex, PoisonError};
 
-use super::named::named_choice;
+use crate::named::named_choice;
 use burn::tensor::wgpu::{WgpuBackend, WgpuInitError, WgpuSetup, wgpu};
 use burn::tensor::{DType, Device};
 

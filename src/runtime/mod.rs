@@ -4,7 +4,6 @@
 pub mod device;
 pub mod exp;
 pub mod flex;
-pub mod named;
 pub mod progress;
 pub mod stages;
 pub mod timing;

@@ -20,11 +20,11 @@ use gemm::Parallelism;
 use multiversion::multiversion;
 use rayon::prelude::*;
 
+use crate::named::named_choice;
 use crate::ops::hardware;
 use crate::runtime::device::{DeviceClass, RuntimeDevice};
 use crate::runtime::exp::exp;
 use crate::runtime::flex::{element, strided};
-use crate::runtime::named::named_choice;
 
 /// Queries per rayon task on Flex: a whole 256-patch image of the 2B tower (its scores 256 KiB
 /// of f32, within a core's L2), so each head's keys are packed for `gemm` once; 64 and 128

@@ -52,8 +52,8 @@ use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{DType, Shape, Tensor};
 use std::sync::LazyLock;
 
+use crate::named::named_choice;
 use crate::runtime::device::{DeviceClass, RuntimeDevice};
-use crate::runtime::named::named_choice;
 use crate::runtime::wgsl::Elem;
 
 named_choice! {

@@ -37,10 +37,10 @@ use burn::backend::{
 };
 use burn::tensor::{DType, Device, Int, Shape, Tensor, TensorData};
 
+use crate::named::named_choice;
 use crate::ops::linear::{self, LinearBackend, LinearShader};
 use crate::routing::meta::{KernelMeta, MetaError};
 use crate::runtime::device::{DeviceClass, RuntimeDevice};
-use crate::runtime::named::named_choice;
 
 /// The largest adapter rank the op accepts (vLLM's largest `max_lora_rank`).
 pub const MAX_RANK: usize = 512;

@@ -1,4 +1,5 @@
-//! Choices the user names: devices, precisions, kernels, presets, image backends.
+//! Choices the user names (devices, precisions, kernels, presets, image backends) declared one
+//! way. The bottom layer: every other module may use it, and it uses none.
 
 /// Declares an enum whose variants are named in kebab case (`Display`, `FromStr`,
 /// `&'static str`), listed (`VARIANTS`), and documented by their doc comments (`EnumMessage`),
