@@ -383,6 +383,43 @@ mod tests {
         );
     }
 
+    /// With a step switched off, each backend's arithmetic as transformers 5.23 runs it: the
+    /// sum of the pixel values' bit patterns (mod 2³²) for a 56×56 image holding every byte in
+    /// each channel, from `Qwen2VLImageProcessor` (torchvision 0.29.2) and
+    /// `Qwen2VLImageProcessorPil` (Pillow 13) with `do_normalize=False` or `do_rescale=False`.
+    /// The backends differ with the normalisation off (torchvision multiplies by the f32 of
+    /// 1/255, numpy in f64) and agree with the rescale off.
+    #[test]
+    fn switched_off_steps_compute_as_each_backend_does() {
+        let image = RgbImage::from_fn(56, 56, |x, y| {
+            let r = ((x + 56 * y) % 256) as u8;
+            image::Rgb([r, 255 - r, r.wrapping_mul(7)])
+        });
+        let no_normalize = PreprocessConfig {
+            image_mean: [0.0; 3],
+            image_std: [1.0; 3],
+            do_normalize: false,
+            ..PreprocessConfig::default()
+        };
+        let no_rescale = PreprocessConfig {
+            rescale_factor: 1.0,
+            ..PreprocessConfig::default()
+        };
+        for (config, backend, transformers) in [
+            (&no_normalize, ImageBackend::Torchvision, 293_385_086u32),
+            (&no_normalize, ImageBackend::Pil, 293_375_768),
+            (&no_rescale, ImageBackend::Torchvision, 1_317_071_824),
+            (&no_rescale, ImageBackend::Pil, 1_317_071_824),
+        ] {
+            let patches = preprocess(&image, config, backend).unwrap();
+            let sum = patches
+                .pixel_values
+                .iter()
+                .fold(0u32, |sum, v| sum.wrapping_add(v.to_bits()));
+            assert_eq!(sum, transformers, "{backend}, {config:?}");
+        }
+    }
+
     /// A one-row PNG of `color` and `depth` holding `data`, with the tRNS chunk `trns` unless
     /// it is empty.
     fn png_with_key(
