@@ -6,7 +6,8 @@ mod common;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use common::{Expected, errors, family_dir, fixture_dir, requests, requests_in};
+use common::{Expected, errors, family_dir, fixture_dir, pixel_values_key, requests, requests_in};
+use mmlora::preprocess::ImageBackend;
 use safetensors::SafeTensors;
 
 fn mmlora(args: &[&str]) -> Output {
@@ -205,7 +206,10 @@ fn preprocess_writes_what_the_engine_feeds() {
     let dir = tempfile::TempDir::new().unwrap();
     let expected = Expected::load();
     // No flag is transformers 5's default backend, torchvision.
-    for (flag, key) in [(None, "pixel_values"), (Some("pil"), "pil.pixel_values")] {
+    for (flag, backend) in [
+        (None, ImageBackend::Torchvision),
+        (Some("pil"), ImageBackend::Pil),
+    ] {
         for file in ["wide.jpg", "progressive.jpg", "rgba.png"] {
             let out = dir.path().join(format!("{file}.safetensors"));
             let image = fixture(&format!("images/{file}"));
@@ -223,7 +227,7 @@ fn preprocess_writes_what_the_engine_feeds() {
                 want_grid.iter().map(|&g| g as f64).collect::<Vec<_>>()
             );
             let pixels = read_tensor(&written, "pixel_values");
-            let (want, _) = expected.f32(&format!("{file}.{key}"));
+            let (want, _) = expected.f32(&pixel_values_key(file, backend));
             // Exactly, as in tests/preprocess_fixtures.rs.
             assert!(
                 pixels

@@ -78,6 +78,13 @@ fn family_config(dir: &Path, family: &str, key: &str, value: serde_json::Value) 
     })
 }
 
+/// A copy of the fixture model with `preprocessor_config.json`'s `key` set to `value`.
+fn processor_setting(dir: &Path, key: &str, value: serde_json::Value) -> PathBuf {
+    model(dir, |m| {
+        edit_json(&m.join("preprocessor_config.json"), |p| p[key] = value)
+    })
+}
+
 /// A copy of adapter `name` of `family`'s fixtures.
 fn family_adapter(dir: &Path, family: &str, name: &str) -> PathBuf {
     let adapter = dir.join(name);
@@ -426,13 +433,7 @@ fn cases() -> Vec<Case> {
             "processor merges otherwise",
             Model,
             &["preprocessor_config.json", "merge_size"],
-            |d| {
-                model(d, |m| {
-                    edit_json(&m.join("preprocessor_config.json"), |p| {
-                        p["merge_size"] = 1.into()
-                    })
-                })
-            },
+            |d| processor_setting(d, "merge_size", 1.into()),
         ),
         case(
             "nested processor merges otherwise",
@@ -456,37 +457,19 @@ fn cases() -> Vec<Case> {
             "processor resamples with nearest",
             Model,
             &["preprocessor_config.json", "resample", "is 0"],
-            |d| {
-                model(d, |m| {
-                    edit_json(&m.join("preprocessor_config.json"), |p| {
-                        p["resample"] = 0.into()
-                    })
-                })
-            },
+            |d| processor_setting(d, "resample", 0.into()),
         ),
         case(
             "processor resamples with box, which torchvision has not",
             Model,
             &["preprocessor_config.json", "resample", "torchvision"],
-            |d| {
-                model(d, |m| {
-                    edit_json(&m.join("preprocessor_config.json"), |p| {
-                        p["resample"] = 4.into()
-                    })
-                })
-            },
+            |d| processor_setting(d, "resample", 4.into()),
         ),
         case(
             "processor patch 0",
             Model,
             &["preprocessor_config.json", "patch_size", "is 0"],
-            |d| {
-                model(d, |m| {
-                    edit_json(&m.join("preprocessor_config.json"), |p| {
-                        p["patch_size"] = 0.into()
-                    })
-                })
-            },
+            |d| processor_setting(d, "patch_size", 0.into()),
         ),
         // Adapter folders.
         case(

@@ -8,7 +8,8 @@ use std::path::PathBuf;
 
 use burn::tensor::wgpu::WgpuBackend;
 use common::{
-    Expected, assert_outputs_match, errors, fixture_dir, fixture_requests, requests_with_frames,
+    Expected, assert_outputs_match, errors, fixture_dir, fixture_requests, pixel_values_key,
+    requests_with_frames,
 };
 use mmlora::engine::{
     Encoded, Engine, EngineError, EngineOptions, ImageSource, Request, SharedEngine,
@@ -424,7 +425,7 @@ fn f16_is_refused_where_the_device_cannot_compute_it() {
 fn the_image_backend_option_picks_the_processor() {
     let expected = Expected::load();
     let file = "rgba.png";
-    let (pil_pixels, _) = expected.f32(&format!("{file}.pil.pixel_values"));
+    let (pil_pixels, _) = expected.f32(&pixel_values_key(file, ImageBackend::Pil));
     let grid = expected.i64(&format!("{file}.image_grid_thw"));
     let request = |image| Request {
         id: "r".to_owned(),

@@ -4,16 +4,8 @@
 
 mod common;
 
-use common::{Expected, family_dir, requests_in};
+use common::{Expected, family_dir, pixel_values_key, requests_in};
 use mmlora::preprocess::{ImageBackend, PreprocessConfig, load_image, preprocess};
-
-/// The fixture key holding `backend`'s pixel values for `file`.
-fn pixel_values_key(file: &str, backend: ImageBackend) -> String {
-    match backend {
-        ImageBackend::Torchvision => format!("{file}.pixel_values"),
-        ImageBackend::Pil => format!("{file}.pil.pixel_values"),
-    }
-}
 
 #[test]
 fn pixel_values_and_grids_match_transformers() {

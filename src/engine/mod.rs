@@ -1114,10 +1114,7 @@ fn check_consistent(
     backend: ImageBackend,
     layout: PatchLayout,
 ) -> Result<(), String> {
-    if let Some((key, reason)) = preprocess
-        .unusable_setting()
-        .or_else(|| preprocess.unusable_on(backend))
-    {
+    if let Some((key, reason)) = preprocess.unusable_on(backend) {
         return Err(format!("`{key}` {reason}"));
     }
     let fields = [

@@ -338,18 +338,21 @@ impl PreprocessConfig {
         None
     }
 
-    /// The setting (key and why) that `backend` cannot run, if any: torchvision has no box or
-    /// Hamming resize.
+    /// The first setting (key and why) that `backend` cannot run, if any: an
+    /// [`unusable_setting`](Self::unusable_setting), or a filter the backend lacks
+    /// (torchvision has no box or Hamming resize).
     pub fn unusable_on(&self, backend: ImageBackend) -> Option<(&'static str, String)> {
-        (!self.resample.runs_on(backend)).then(|| {
-            (
-                "resample",
-                format!(
-                    "is {:?}, which the {backend} backend cannot resize with (torch's \
-                     interpolate has no such filter); use the pil backend",
-                    self.resample
-                ),
-            )
+        self.unusable_setting().or_else(|| {
+            (!self.resample.runs_on(backend)).then(|| {
+                (
+                    "resample",
+                    format!(
+                        "is {:?}, which the {backend} backend cannot resize with (torch's \
+                         interpolate has no such filter); use the pil backend",
+                        self.resample
+                    ),
+                )
+            })
         })
     }
 

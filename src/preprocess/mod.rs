@@ -214,10 +214,7 @@ pub fn preprocess(
     config: &PreprocessConfig,
     backend: ImageBackend,
 ) -> Result<Patches, PreprocessError> {
-    if let Some((key, reason)) = config
-        .unusable_setting()
-        .or_else(|| config.unusable_on(backend))
-    {
+    if let Some((key, reason)) = config.unusable_on(backend) {
         return Err(PreprocessError::Unusable { key, reason });
     }
     let factor = config.patch_size * config.merge_size;

@@ -199,6 +199,15 @@ pub fn requests_with_frames(dir: &std::path::Path) -> Vec<mmlora::engine::Reques
     requests
 }
 
+/// The key of `file`'s pixel values from `backend` in the reference outputs (the request
+/// outputs were computed from torchvision's, transformers 5's default).
+pub fn pixel_values_key(file: &str, backend: mmlora::preprocess::ImageBackend) -> String {
+    match backend {
+        mmlora::preprocess::ImageBackend::Torchvision => format!("{file}.pixel_values"),
+        mmlora::preprocess::ImageBackend::Pil => format!("{file}.pil.pixel_values"),
+    }
+}
+
 /// The reference outputs.
 pub struct Expected {
     bytes: Vec<u8>,
