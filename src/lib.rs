@@ -15,12 +15,15 @@
 //! - [`adapters`]: PEFT adapters, checked against a model and installed in its slots.
 //! - [`engine`]: requests in, embeddings out, one step at a time.
 //! - `bench` (feature `bench`, on with the default `cli`): the measurements of `mmlora bench`
-//!   and `benches/`; `fuzzing` (feature `testkit`): the fuzz targets' entry points, which the
+//!   and `benches/`; `bundled` (feature `bundled`, on with `cli`): the tiny Qwen2-VL model
+//!   compiled in, the default of every front end; `fuzzing` (feature `testkit`): the fuzz targets' entry points, which the
 //!   tests replay.
 
 pub mod adapters;
 #[cfg(feature = "bench")]
 pub mod bench;
+#[cfg(feature = "bundled")]
+pub mod bundled;
 pub mod engine;
 pub mod files;
 #[cfg(feature = "testkit")]

@@ -453,6 +453,31 @@ fn the_image_backend_option_picks_the_processor() {
 }
 
 #[test]
+fn an_image_given_as_bytes_gives_what_its_file_gives() {
+    let mut engine = engine(&device::cpu(), EngineOptions::default());
+    let files = fixture_requests();
+    let as_bytes: Vec<Request> = files
+        .iter()
+        .map(|request| {
+            let ImageSource::File(path) = &request.image else {
+                panic!("the fixture batch names files")
+            };
+            Request {
+                image: ImageSource::Encoded(std::fs::read(path).unwrap()),
+                ..request.clone()
+            }
+        })
+        .collect();
+    let from_files = engine.encode(&files, true).unwrap();
+    let from_bytes = engine.encode(&as_bytes, true).unwrap();
+    for (file, bytes) in from_files.iter().zip(&from_bytes) {
+        // The same pixels through the same step: equal to the bit.
+        assert_eq!(file.embeds, bytes.embeds, "{}", file.id);
+        assert_eq!(file.tower, bytes.tower, "{}", file.id);
+    }
+}
+
+#[test]
 fn more_adapters_than_slots_run_in_several_steps_with_the_same_results() {
     let cpu = device::cpu();
     let options = EngineOptions {
@@ -679,6 +704,15 @@ fn bad_requests_are_refused_before_anything_runs() {
     missing[1].image = ImageSource::File(fixture_dir().join("images/missing.png"));
     let error = engine.encode(&missing, false).unwrap_err();
     assert!(error.to_string().contains("missing.png"), "{error}");
+
+    let mut not_an_image = good.clone();
+    not_an_image[5].image = ImageSource::Encoded(b"GIF89a, not one we decode".to_vec());
+    let error = engine.encode(&not_an_image, false).unwrap_err();
+    assert!(
+        matches!(&error, EngineError::Image { request, .. } if request == "request5"),
+        "{error}"
+    );
+    assert!(error.to_string().contains("image bytes"), "{error}");
 
     let mut bad_patches = good.clone();
     bad_patches[4].image = ImageSource::Patches(mmlora::preprocess::Patches {

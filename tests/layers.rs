@@ -20,7 +20,7 @@ const LAYERS: &[&[&str]] = &[
     &["models"],
     &["adapters"],
     &["engine"],
-    &["bench", "fuzzing"],
+    &["bench", "bundled", "fuzzing"],
     &["cli"],
 ];
 

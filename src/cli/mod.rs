@@ -2,7 +2,6 @@
 //! library user would need lives in the library.
 
 pub mod bench;
-pub mod bundled;
 mod choice;
 pub mod devices;
 pub mod encode;
@@ -17,6 +16,7 @@ use std::path::PathBuf;
 use plot::PlotError;
 
 use mmlora::adapters::AdapterError;
+use mmlora::bundled;
 use mmlora::engine::EngineError;
 use mmlora::engine::batch::BatchError;
 use mmlora::models::ConfigError;

@@ -30,7 +30,7 @@ use crate::models::{self, ModelError, PatchLayout, VisionTower};
 use crate::ops::kernels::{KernelError, KernelPins, Kernels};
 use crate::ops::lora::{LoraBatch, MAX_RANK};
 use crate::preprocess::{
-    ImageBackend, Patches, PreprocessConfig, PreprocessError, load_image, preprocess,
+    ImageBackend, Patches, PreprocessConfig, PreprocessError, decode_image, load_image, preprocess,
 };
 use crate::routing::mapping::{
     AdapterRequest, EncoderCache, LoraState, MappingError, MmFeature, MmLoraActivation, Modality,
@@ -40,6 +40,9 @@ use crate::routing::meta::{KernelMeta, MetaError, SlotTable};
 use crate::runtime::device::{Precision, RuntimeDevice};
 use crate::runtime::progress;
 use plan::{PlanItem, plan_steps};
+
+/// What errors call an image given as bytes ([`ImageSource::Encoded`]).
+const ENCODED_IMAGE: &str = "(the request's image bytes)";
 
 /// The most GPU slots an engine takes (`max_loras`).
 pub const MAX_LORAS: usize = 1024;
@@ -87,6 +90,8 @@ impl Default for EngineOptions {
 pub enum ImageSource {
     /// An image file (PNG, JPEG, WebP).
     File(PathBuf),
+    /// An image file's bytes (an upload, say), decoded as the file would be.
+    Encoded(Vec<u8>),
     /// A decoded RGB image.
     Decoded(RgbImage),
     /// Patches already preprocessed (as `mmlora preprocess` writes them).
@@ -984,6 +989,12 @@ fn request_patches(
             let image = load_image(path).map_err(image_error)?;
             preprocess(&image, preprocess_config, backend)
                 .map_err(|e| image_error(e.in_file(path)))?
+        }
+        ImageSource::Encoded(bytes) => {
+            let name = Path::new(ENCODED_IMAGE);
+            let image = decode_image(bytes, name).map_err(image_error)?;
+            preprocess(&image, preprocess_config, backend)
+                .map_err(|e| image_error(e.in_file(name)))?
         }
         ImageSource::Decoded(image) => {
             preprocess(image, preprocess_config, backend).map_err(image_error)?

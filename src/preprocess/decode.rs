@@ -18,15 +18,21 @@ pub fn load_image(path: &Path) -> Result<RgbImage, PreprocessError> {
         path: path.to_owned(),
         source,
     })?;
+    decode_image(&bytes, path)
+}
+
+/// An image file's bytes decoded as [`load_image`] decodes the file (the format read from the
+/// bytes, not the name); errors call the image `path`.
+pub fn decode_image(bytes: &[u8], path: &Path) -> Result<RgbImage, PreprocessError> {
     let too_large = |width, height| PreprocessError::TooLarge {
         path: path.to_owned(),
         width,
         height,
         limit: MAX_DECODED_PIXELS,
     };
-    let format = image::guess_format(&bytes).ok();
+    let format = image::guess_format(bytes).ok();
     if format == Some(ImageFormat::Jpeg) {
-        return jpeg::decode_rgb(&bytes, MAX_DECODED_PIXELS).map_err(|error| match error {
+        return jpeg::decode_rgb(bytes, MAX_DECODED_PIXELS).map_err(|error| match error {
             jpeg::JpegError::TooLarge { width, height } => too_large(width, height),
             jpeg::JpegError::Decode(reason) => PreprocessError::Decode {
                 path: path.to_owned(),
@@ -39,7 +45,7 @@ pub fn load_image(path: &Path) -> Result<RgbImage, PreprocessError> {
         reason: source.to_string(),
     };
     let reader = || {
-        ImageReader::new(std::io::Cursor::new(&bytes[..]))
+        ImageReader::new(std::io::Cursor::new(bytes))
             .with_guessed_format()
             .map_err(|source| PreprocessError::Io {
                 path: path.to_owned(),
@@ -68,7 +74,7 @@ pub fn load_image(path: &Path) -> Result<RgbImage, PreprocessError> {
     decoder.set_limits(limits).map_err(decode)?;
     let key = match format {
         Some(ImageFormat::Png) => {
-            png_colour_key(&bytes).map_err(|reason| PreprocessError::Decode {
+            png_colour_key(bytes).map_err(|reason| PreprocessError::Decode {
                 path: path.to_owned(),
                 reason,
             })?

@@ -21,7 +21,7 @@ use image::RgbImage;
 
 use crate::named::named_choice;
 pub use config::PreprocessConfig;
-pub use decode::{MAX_DECODED_PIXELS, load_image};
+pub use decode::{MAX_DECODED_PIXELS, decode_image, load_image};
 pub use resample::Resample;
 use resample::resize;
 

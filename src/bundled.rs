@@ -1,9 +1,11 @@
 //! The bundled model (random weights in Qwen2-VL's layout, its four PEFT adapters, its example
-//! images and batch), compiled into the binary, so every command's default works from any copy
-//! of the binary, wherever the checkout it was built in has gone.
+//! images and batch), compiled into the binary, so every front end's default (the `mmlora`
+//! command's, the Python package's `Engine()`) works from any copy of the binary, wherever the
+//! checkout it was built in has gone.
 //!
-//! A command that runs on it unpacks it into a private temporary folder, deleted when the
-//! command ends, and loads it from there as it loads any downloaded model: one loading path.
+//! A front end that runs on it unpacks it into a private temporary folder, deleted when the
+//! front end is done with it, and loads it from there as it loads any downloaded model: one
+//! loading path.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -18,7 +20,7 @@ macro_rules! bundled_file {
     ($path:literal) => {
         (
             $path,
-            include_bytes!(concat!("../../assets/tiny-qwen2-vl/", $path)) as &[u8],
+            include_bytes!(concat!("../assets/tiny-qwen2-vl/", $path)) as &[u8],
         )
     };
 }
@@ -48,7 +50,7 @@ pub const FILES: &[(&str, &[u8])] = &[
     bundled_file!("preprocessor_config.json"),
 ];
 
-/// A model folder a command runs on: the one it was given, or the bundled model unpacked.
+/// A model folder a front end runs on: the one it was given, or the bundled model unpacked.
 pub struct ModelDir {
     path: PathBuf,
     label: String,

@@ -1,0 +1,204 @@
+"""A burst of concurrent HTTP requests against the deployment in app.py, on a local Ray instance
+bound to 127.0.0.1: throughput, latency, and how many requests shared an engine step.
+
+    python load.py --replicas 2 --requests 300 --concurrency 32
+
+starts Ray and Serve, deploys app.py on the bundled model, sends the fixture images of the
+bundled model with its four adapters and none, checks every reply against one engine in this
+process, prints one JSON line of figures, and shuts everything down. The Python package's tests
+run the same burst (python/tests/test_serve.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import itertools
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Job:
+    """One HTTP request: an image file (uploaded, or sent as a file:// URL) and an adapter."""
+
+    image: Path
+    adapter: str | None
+    upload: bool
+
+
+def jobs(images: list[Path], adapters: list[str | None], count: int) -> list[Job]:
+    """`count` requests cycling through every image × adapter × (upload or URL)."""
+    kinds = itertools.product(images, adapters, (True, False))
+    return [Job(image, adapter, upload) for (image, adapter, upload), _ in zip(itertools.cycle(kinds), range(count))]
+
+
+def send(url: str, job: Job, timeout: float) -> tuple[int, dict, float]:
+    """The HTTP status, the decoded reply and the request's latency in seconds."""
+    if job.upload:
+        body, kind = job.image.read_bytes(), "application/octet-stream"
+    else:
+        body, kind = json.dumps({"url": job.image.as_uri()}).encode(), "application/json"
+    headers = {"content-type": kind}
+    if job.adapter is not None:
+        headers["serve_multiplexed_model_id"] = job.adapter
+    started = time.perf_counter()
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, reply = response.status, json.load(response)
+    except urllib.error.HTTPError as error:
+        status, reply = error.code, json.load(error)
+    return status, reply, time.perf_counter() - started
+
+
+def embeds(reply: dict) -> np.ndarray:
+    values = np.frombuffer(base64.b64decode(reply["embeds"]), dtype="<f4")
+    return values.reshape(reply["shape"])
+
+
+def burst_outcomes(
+    url: str, work: list[Job], concurrency: int, timeout: float = 120.0
+) -> list[tuple[int, dict]]:
+    """Sends `work` from `concurrency` threads at once; each reply's status and body, in order."""
+    with ThreadPoolExecutor(concurrency) as pool:
+        return [(status, reply) for status, reply, _ in pool.map(lambda job: send(url, job, timeout), work)]
+
+
+def burst(url: str, work: list[Job], concurrency: int, timeout: float = 120.0) -> dict:
+    """Sends `work` from `concurrency` threads at once, all to be served; the replies in order,
+    and figures."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        outcomes = list(pool.map(lambda job: send(url, job, timeout), work))
+    seconds = time.perf_counter() - started
+    for job, (status, reply, _) in zip(work, outcomes):
+        if status != 200:
+            raise RuntimeError(f"{job}: HTTP {status}: {reply}")
+    replies = [reply for _, reply, _ in outcomes]
+    latencies = sorted(latency for _, _, latency in outcomes)
+    return {
+        "replies": replies,
+        "requests": len(work),
+        "seconds": seconds,
+        "requests_per_s": len(work) / seconds,
+        "p50_ms": 1e3 * statistics.median(latencies),
+        "p99_ms": 1e3 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        # Each request's step size, averaged over requests: what a request shared its step with.
+        "mean_step_requests": statistics.fmean(r["step_requests"] for r in replies),
+        "max_step_requests": max(r["step_requests"] for r in replies),
+        "max_step_adapters": max(r["step_adapters"] for r in replies),
+        "replicas": len({r["replica"] for r in replies}),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start(replicas: int, cpus_per_replica: int, port: int, **options) -> str:
+    """Ray on this machine only (127.0.0.1, no dashboard), Serve's HTTP proxy on `port`, and
+    app.py deployed; the URL to post to."""
+    import ray
+    from ray import serve
+
+    # Ray's workers import app.py by name, as this process does.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, str(HERE))
+    import app
+
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, replicas * cpus_per_replica),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=256 << 20,
+        configure_logging=False,
+        log_to_driver=False,
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(app.deployment(replicas, cpus_per_replica, **options), route_prefix="/encode")
+    return f"http://127.0.0.1:{port}/encode"
+
+
+def stop() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def expected(work: list[Job], model_dir: Path, folders: dict[str, Path]) -> list[np.ndarray]:
+    """Each job's embeddings from one engine in this process, request by request."""
+    import mmlora
+
+    engine = mmlora.Engine(model_dir, device="cpu")
+    for name, folder in folders.items():
+        engine.load_adapter(name, folder)
+    cache: dict[tuple[Path, str | None], np.ndarray] = {}
+    for job in work:
+        key = (job.image, job.adapter)
+        if key not in cache:
+            [result] = engine.encode([{"id": "alone", "image": job.image, "adapter": job.adapter}])
+            cache[key] = result.embeds
+    return [cache[(job.image, job.adapter)] for job in work]
+
+
+def worst_error(replies: list[dict], want: list[np.ndarray]) -> float:
+    """The largest relative Frobenius error of a reply against its single-engine result."""
+    worst = 0.0
+    for reply, values in zip(replies, want):
+        got = embeds(reply).astype(np.float64)
+        worst = max(worst, float(np.linalg.norm(got - values) / np.linalg.norm(values)))
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--cpus-per-replica", type=int, default=1)
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    args = parser.parse_args()
+
+    model = HERE.parents[1] / "assets" / "tiny-qwen2-vl"
+    folders = {p.name: p for p in sorted((model / "adapters").iterdir())}
+    images = sorted((model / "images").iterdir())
+    work = jobs(images, [None, *folders], args.requests)
+    url = start(
+        args.replicas,
+        args.cpus_per_replica,
+        free_port(),
+        adapters={name: str(folder) for name, folder in folders.items()},
+        model_dir=str(model),
+        max_batch_size=args.max_batch_size,
+    )
+    try:
+        burst(url, work[: 2 * args.concurrency], args.concurrency)  # warm-up: adapters loaded
+        figures = burst(url, work, args.concurrency)
+    finally:
+        stop()
+    replies = figures.pop("replies")
+    figures["worst_rel_error"] = worst_error(replies, expected(work, model, folders))
+    figures.update(vars(args))
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
