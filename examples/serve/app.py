@@ -42,7 +42,7 @@ class BadRequest(Exception):
         self.status = status
 
 
-@serve.deployment
+@serve.deployment(max_ongoing_requests=64)
 class Encoder:
     """One replica: an engine and the adapters it can load.
 
@@ -176,6 +176,8 @@ def deployment(
     engine's threads limited to them); `options` go to :class:`Encoder`."""
     return Encoder.options(
         num_replicas=replicas,
+        # Serve's default of 5 requests at a time per replica would cap each step at 5.
+        max_ongoing_requests=2 * options.get("max_batch_size", 32),
         ray_actor_options={
             "num_cpus": cpus_per_replica,
             "runtime_env": {"env_vars": {"RAYON_NUM_THREADS": str(cpus_per_replica)}},

@@ -162,7 +162,7 @@ impl Engine {
     }
 
     /// The seconds each of `repeats` calls of the Rust engine's `encode` takes on `requests`,
-    /// timed in Rust: the baseline of the Python API's overhead (python/bench_overhead.py).
+    /// timed in Rust: the baseline of the Python API's overhead (python/benches/overhead.py).
     fn _time_encode<'py>(
         &self,
         py: Python<'py>,

@@ -1,6 +1,6 @@
 """The Python API's overhead against the Rust engine on the same batch, CPU backend.
 
-    python python/bench_overhead.py [--copies 8] [--inputs path|bytes|array|pil] [--rounds 30]
+    python python/benches/overhead.py [--copies 8] [--inputs path|bytes|array|pil] [--rounds 30]
 
 One engine on the bundled model with its adapters; the bundled batch (7 requests, 4 adapters
 and none; `--copies` times over). Each round times `engine.encode(requests)` (the Python API:
@@ -60,8 +60,8 @@ def main() -> None:
 
     python_api(), rust_engine()  # warm-up
     python_s, rust_s, ratios = [], [], []
-    for round in range(args.rounds):
-        if round % 2:
+    for turn in range(args.rounds):
+        if turn % 2:
             rust, python = rust_engine(), python_api()
         else:
             python, rust = python_api(), rust_engine()
