@@ -16,8 +16,8 @@
 //! - [`engine`]: requests in, embeddings out, one step at a time.
 //! - `bench` (feature `bench`, on with the default `cli`): the measurements of `mmlora bench`
 //!   and `benches/`; `bundled` (feature `bundled`, on with `cli`): the tiny Qwen2-VL model
-//!   compiled in, the default of every front end; `fuzzing` (feature `testkit`): the fuzz targets' entry points, which the
-//!   tests replay.
+//!   compiled in, the default of every front end; `fuzzing` (feature `testkit`): the fuzz
+//!   targets' entry points, which the tests replay.
 
 pub mod adapters;
 #[cfg(feature = "bench")]

@@ -58,7 +58,6 @@ struct Engine {
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (model_dir, device, precision, max_loras, max_rank, max_cpu_adapters, image_backend))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
