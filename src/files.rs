@@ -114,6 +114,7 @@ fn folder_of(path: &Path) -> &Path {
 
 fn temp_file_beside(path: &Path) -> io::Result<tempfile::NamedTempFile> {
     let folder = folder_of(path);
+    #[cfg_attr(not(unix), allow(unused_mut))]
     let mut builder = tempfile::Builder::new();
     #[cfg(unix)]
     {

@@ -12,6 +12,7 @@
 
 pub mod config;
 pub mod decode;
+#[cfg(not(target_arch = "wasm32"))]
 mod jpeg;
 mod resample;
 

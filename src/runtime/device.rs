@@ -1,7 +1,5 @@
 //! The runtime device: Burn's CPU backend (Flex) or its wgpu backend on the adapter wgpu picks.
 
-use std::sync::{Mutex, PoisonError};
-
 use crate::named::named_choice;
 use burn::tensor::wgpu::{WgpuBackend, WgpuInitError, WgpuSetup, wgpu};
 use burn::tensor::{DType, Device};
@@ -144,6 +142,7 @@ pub fn backend_named(name: &str) -> Result<WgpuBackend, DeviceError> {
 
 /// The graphics APIs on which wgpu finds at least one adapter, whatever `WGPU_BACKEND` says,
 /// each once, in the order wgpu lists their adapters.
+#[cfg(not(target_arch = "wasm32"))]
 pub fn graphics_apis() -> Vec<WgpuBackend> {
     let instance = wgpu::Instance::new(wgpu::InstanceDescriptor::new_without_display_handle());
     let adapters = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
@@ -181,6 +180,7 @@ pub fn cpu() -> RuntimeDevice {
 
 /// The wgpu device on the graphics API `WGPU_BACKEND` names (unset: the one wgpu picks), on the
 /// adapter wgpu selects there; initialised once per process.
+#[cfg(not(target_arch = "wasm32"))]
 pub fn gpu() -> Result<RuntimeDevice, DeviceError> {
     gpu_on(requested_backend()?)
 }
@@ -188,7 +188,9 @@ pub fn gpu() -> Result<RuntimeDevice, DeviceError> {
 /// The wgpu device on graphics API `api` ([`WgpuBackend::Auto`]: the one wgpu picks), on the
 /// adapter wgpu selects there; initialised once per process and API, so devices on several
 /// APIs can live side by side (the tests run the engine on each).
+#[cfg(not(target_arch = "wasm32"))]
 pub fn gpu_on(api: WgpuBackend) -> Result<RuntimeDevice, DeviceError> {
+    use std::sync::{Mutex, PoisonError};
     type Opened = Vec<(WgpuBackend, Result<RuntimeDevice, DeviceError>)>;
     static OPENED: Mutex<Opened> = Mutex::new(Vec::new());
     // Held while a device opens, so that two threads never open one API twice.
@@ -196,17 +198,27 @@ pub fn gpu_on(api: WgpuBackend) -> Result<RuntimeDevice, DeviceError> {
     if let Some((_, gpu)) = opened.iter().find(|(on, _)| *on == api) {
         return gpu.clone();
     }
-    let gpu = Device::wgpu_options()
-        .graphics_api(api)
-        .init_with_setup()
-        .map(|(device, setup)| wgpu_device(device, setup))
-        .map_err(|e: WgpuInitError| DeviceError::NoAdapter(e.to_string()));
+    let gpu = pollster::block_on(open_gpu(api));
     opened.push((api, gpu.clone()));
     gpu
 }
 
+/// Opens the wgpu device on graphics API `api` on the adapter wgpu selects there. Asynchronous
+/// because a browser answers wgpu's adapter and device requests later and cannot be waited
+/// for; each call opens a device, so a page opens one and keeps it (native code goes through
+/// [`gpu_on`], which opens each API once per process).
+pub async fn open_gpu(api: WgpuBackend) -> Result<RuntimeDevice, DeviceError> {
+    Device::wgpu_options()
+        .graphics_api(api)
+        .init_with_setup_async()
+        .await
+        .map(|(device, setup)| wgpu_device(device, setup))
+        .map_err(|e: WgpuInitError| DeviceError::NoAdapter(e.to_string()))
+}
+
 /// A new wgpu device on the adapter [`gpu`] uses, independent of it and of every other device:
 /// what an engine is rebuilt on after its device was lost.
+#[cfg(not(target_arch = "wasm32"))]
 pub fn gpu_new() -> Result<RuntimeDevice, DeviceError> {
     let first = gpu()?;
     let setup = first.wgpu.expect("a GPU device keeps its wgpu setup");
@@ -263,6 +275,7 @@ fn wgpu_device(device: Device, setup: WgpuSetup) -> RuntimeDevice {
 
 /// The device for `choice`; a `WGPU_BACKEND` that names no graphics API is an error under
 /// `auto` too, rather than a quiet fall back to the CPU.
+#[cfg(not(target_arch = "wasm32"))]
 pub fn select(choice: DeviceChoice) -> Result<RuntimeDevice, DeviceError> {
     match choice {
         DeviceChoice::Auto => {
