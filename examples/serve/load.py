@@ -70,20 +70,27 @@ def embeds(reply: dict) -> np.ndarray:
     return values.reshape(reply["shape"])
 
 
+def send_all(
+    url: str, work: list[Job], concurrency: int, timeout: float
+) -> list[tuple[int, dict, float]]:
+    """Sends `work` from `concurrency` threads at once; each reply's status, body and latency,
+    in order."""
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda job: send(url, job, timeout), work))
+
+
 def burst_outcomes(
     url: str, work: list[Job], concurrency: int, timeout: float = 120.0
 ) -> list[tuple[int, dict]]:
     """Sends `work` from `concurrency` threads at once; each reply's status and body, in order."""
-    with ThreadPoolExecutor(concurrency) as pool:
-        return [(status, reply) for status, reply, _ in pool.map(lambda job: send(url, job, timeout), work)]
+    return [(status, reply) for status, reply, _ in send_all(url, work, concurrency, timeout)]
 
 
 def burst(url: str, work: list[Job], concurrency: int, timeout: float = 120.0) -> dict:
     """Sends `work` from `concurrency` threads at once, all to be served; the replies in order,
     and figures."""
     started = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        outcomes = list(pool.map(lambda job: send(url, job, timeout), work))
+    outcomes = send_all(url, work, concurrency, timeout)
     seconds = time.perf_counter() - started
     for job, (status, reply, _) in zip(work, outcomes):
         if status != 200:

@@ -984,17 +984,16 @@ fn request_patches(
         request: request.id.clone(),
         source,
     };
+    // A file's image, or its bytes', with what errors call it.
+    let file = |decoded: Result<RgbImage, PreprocessError>, name: &Path| {
+        preprocess(&decoded.map_err(image_error)?, preprocess_config, backend)
+            .map_err(|e| image_error(e.in_file(name)))
+    };
     let patches = match &request.image {
-        ImageSource::File(path) => {
-            let image = load_image(path).map_err(image_error)?;
-            preprocess(&image, preprocess_config, backend)
-                .map_err(|e| image_error(e.in_file(path)))?
-        }
+        ImageSource::File(path) => file(load_image(path), path)?,
         ImageSource::Encoded(bytes) => {
             let name = Path::new(ENCODED_IMAGE);
-            let image = decode_image(bytes, name).map_err(image_error)?;
-            preprocess(&image, preprocess_config, backend)
-                .map_err(|e| image_error(e.in_file(name)))?
+            file(decode_image(bytes, name), name)?
         }
         ImageSource::Decoded(image) => {
             preprocess(image, preprocess_config, backend).map_err(image_error)?
