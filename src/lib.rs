@@ -3,7 +3,8 @@
 //!
 //! The modules are layers, each importing only from the ones below it (`tests/layers.rs` checks
 //! this, and that no modules form a cycle); ARCHITECTURE.md walks one batch through them:
-//! - `named`: the one way the user's named choices are declared (a macro), beneath everything.
+//! - `named`: the one way the user's named choices are declared (a macro), beneath everything;
+//!   [`vfs`]: the files loaders read, on disk or mounted from memory (a browser's files).
 //! - [`runtime`]: the device, the one WGSL launch path, Flex memory helpers, timing.
 //! - [`routing`]: which adapter each row belongs to ([`routing::mapping`], vLLM's
 //!   `set_active_mm_loras`) and the rows grouped by adapter slot ([`routing::meta`]).
@@ -20,6 +21,7 @@
 //!   targets' entry points, which the tests replay.
 
 pub mod adapters;
+pub mod analysis;
 #[cfg(feature = "bench")]
 pub mod bench;
 #[cfg(feature = "bundled")]
@@ -35,3 +37,4 @@ pub mod ops;
 pub mod preprocess;
 pub mod routing;
 pub mod runtime;
+pub mod vfs;

@@ -6,9 +6,6 @@
 // The demo's compute thread and what it computes, without the window; some of what the window
 // reads goes unread here.
 #[allow(dead_code)]
-#[path = "../examples/demo/analysis.rs"]
-mod analysis;
-#[allow(dead_code)]
 #[path = "../examples/demo/worker.rs"]
 mod worker;
 
@@ -16,8 +13,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::mpsc::channel;
 
+use mmlora::analysis::BatchRow;
 use tempfile::TempDir;
-use worker::{BatchRow, Compute, Job, Reply};
+use worker::{Compute, Job, Reply};
 
 /// Where cargo put the demo: next to this test's own folder (`cargo test` builds examples).
 fn demo_binary() -> PathBuf {

@@ -13,14 +13,14 @@ use regex::Regex;
 /// The layers, bottom first. A module may use its own files and the modules of lower layers;
 /// modules of one layer are independent of each other.
 const LAYERS: &[&[&str]] = &[
-    &["named"],
+    &["named", "vfs"],
     &["runtime", "routing", "preprocess", "files"],
     &["ops"],
     &["nn"],
     &["models"],
     &["adapters"],
     &["engine"],
-    &["bench", "bundled", "fuzzing"],
+    &["analysis", "bench", "bundled", "fuzzing"],
     &["cli"],
 ];
 

@@ -12,8 +12,8 @@ use eframe::egui::{
 use egui_plot::{Line, Plot, PlotPoints, Points};
 use mmlora::runtime::device::RuntimeDevice;
 
-use crate::analysis::{Heat, RunResult};
-use crate::worker::{self, AdapterInfo, BatchRow, Compute, Job, Reply};
+use crate::worker::{self, AdapterInfo, Compute, Job, Reply};
+use mmlora::analysis::{self, BatchRow, Heat, RunResult};
 
 /// Set when a screenshot run saw an error, so the process can exit with 1.
 pub static SCREENSHOT_RUN_FAILED: AtomicBool = AtomicBool::new(false);
@@ -755,23 +755,8 @@ fn cosine_matrix(ui: &mut egui::Ui, matrix: &[Vec<f32>]) {
 
 /// An inferno-like colour scale over `t` in 0..=1.
 fn colormap(t: f32) -> Color32 {
-    const STOPS: [(f32, [f32; 3]); 5] = [
-        (0.0, [20.0, 11.0, 52.0]),
-        (0.25, [101.0, 21.0, 110.0]),
-        (0.5, [188.0, 55.0, 84.0]),
-        (0.75, [249.0, 142.0, 9.0]),
-        (1.0, [252.0, 255.0, 164.0]),
-    ];
-    let t = t.clamp(0.0, 1.0);
-    let i = STOPS
-        .iter()
-        .rposition(|(s, _)| *s <= t)
-        .unwrap_or(0)
-        .min(STOPS.len() - 2);
-    let ((t0, a), (t1, b)) = (STOPS[i], STOPS[i + 1]);
-    let f = (t - t0) / (t1 - t0);
-    let mix = |k: usize| (a[k] + (b[k] - a[k]) * f) as u8;
-    Color32::from_rgb(mix(0), mix(1), mix(2))
+    let [r, g, b] = analysis::colormap(t);
+    Color32::from_rgb(r, g, b)
 }
 
 /// Whether `dir` is a PEFT adapter folder (has an `adapter_config.json`).

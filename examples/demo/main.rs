@@ -8,7 +8,6 @@
 //!
 //! The window and the engine share one wgpu device: Burn opens it, egui renders on it.
 
-mod analysis;
 mod app;
 mod worker;
 

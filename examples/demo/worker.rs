@@ -6,11 +6,10 @@ use std::sync::mpsc::{Receiver, Sender};
 use std::time::Instant;
 
 use mmlora::adapters::PeftAdapter;
-use mmlora::engine::{Engine, EngineError, EngineOptions, ImageSource, Request};
+use mmlora::analysis::{self, BatchRow, RunResult};
+use mmlora::engine::{Engine, EngineError, EngineOptions};
 use mmlora::models::LoraTarget;
 use mmlora::runtime::device::{self, RuntimeDevice};
-
-use crate::analysis::{self, RunResult};
 
 /// Where the engine computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,15 +18,6 @@ pub enum Compute {
     Gpu,
     /// Burn's CPU backend.
     Cpu,
-}
-
-/// One row of the batch: an image and its adapter.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BatchRow {
-    /// The image file.
-    pub image: PathBuf,
-    /// The adapter's name, or none.
-    pub adapter: Option<String>,
 }
 
 /// What the window asks of the worker.
@@ -240,26 +230,7 @@ impl Worker {
         if rows.is_empty() {
             return Err("the batch is empty: add a row".to_owned());
         }
-        // The rows, then each image once without adapter: the reference for the heatmaps.
-        let mut requests: Vec<Request> = rows
-            .iter()
-            .enumerate()
-            .map(|(i, row)| Request {
-                id: format!("row{i}"),
-                image: ImageSource::File(row.image.clone()),
-                adapter: row.adapter.clone(),
-            })
-            .collect();
-        let mut images: Vec<&PathBuf> = rows.iter().map(|r| &r.image).collect();
-        images.sort();
-        images.dedup();
-        for (i, image) in images.iter().enumerate() {
-            requests.push(Request {
-                id: format!("base{i}"),
-                image: ImageSource::File((*image).clone()),
-                adapter: None,
-            });
-        }
+        let requests = analysis::requests(rows);
         let engine = self.engine(on)?;
         let device = engine.device().description.clone();
         let merge = engine.model().layout().spatial_merge_size;
@@ -287,21 +258,6 @@ impl Worker {
             Err(error) => return Err(error.to_string()),
         };
         let seconds = started.elapsed().as_secs_f64();
-        let (rows_out, bases) = encoded.split_at(rows.len());
-        let base_of = |image: &PathBuf| {
-            let i = images
-                .iter()
-                .position(|m| *m == image)
-                .expect("every image has a base");
-            &bases[i]
-        };
-        Ok(analysis::summarise(
-            rows,
-            rows_out,
-            base_of,
-            merge,
-            (seconds, requests.len()),
-            device,
-        ))
+        Ok(analysis::summarise(rows, &encoded, merge, seconds, device))
     }
 }

@@ -178,7 +178,7 @@ impl PeftAdapter {
         let config = AdapterConfig::read(name, dir)?;
         let weights_path = dir.join("adapter_model.safetensors");
         let pickle = dir.join("adapter_model.bin");
-        if !weights_path.exists() && pickle.is_file() {
+        if !crate::vfs::exists(&weights_path) && crate::vfs::is_file(&pickle) {
             return Err(AdapterError::Unsupported {
                 adapter: name.to_owned(),
                 path: pickle,
@@ -187,7 +187,7 @@ impl PeftAdapter {
                     .to_owned(),
             });
         }
-        let bytes = std::fs::read(&weights_path).map_err(io_error(name, &weights_path))?;
+        let bytes = crate::vfs::read(&weights_path).map_err(io_error(name, &weights_path))?;
         Self::from_safetensors(name, dir, config, &bytes, targets, max_rank)
     }
 
@@ -453,7 +453,7 @@ impl AdapterConfig {
     /// Reads `dir/adapter_config.json` and refuses what per-row LoRA cannot serve.
     pub fn read(name: &str, dir: &Path) -> Result<Self, AdapterError> {
         let path = dir.join("adapter_config.json");
-        let text = std::fs::read_to_string(&path).map_err(io_error(name, &path))?;
+        let text = crate::vfs::read_to_string(&path).map_err(io_error(name, &path))?;
         Self::parse(name, &path, &text)
     }
 

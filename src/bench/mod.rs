@@ -25,7 +25,7 @@ use crate::ops::attention::AttentionKernel;
 use crate::ops::kernels::KernelPins;
 use crate::ops::linear::LinearKernel;
 use crate::ops::lora::ShrinkKernel;
-use crate::preprocess::{Patches, PreprocessConfig, smart_resize};
+use crate::preprocess::{Patches, smart_resize};
 use crate::runtime::device::{DeviceClass, Precision, RuntimeDevice};
 
 /// What to measure.
@@ -291,7 +291,7 @@ pub const MAX_BATCH_ROWS: usize = 1 << 18;
 /// The side the image processor resizes a square image of `side` pixels to for a tower that
 /// cuts patches as `layout` says, where a batch of `images` of them fits [`MAX_BATCH_ROWS`].
 fn resized_side(side: usize, images: usize, layout: PatchLayout) -> Result<usize, EngineError> {
-    let preprocess = preprocess_for(layout);
+    let preprocess = layout.default_processor();
     let factor = preprocess.patch_size * preprocess.merge_size;
     let (height, _) = smart_resize(
         side,
@@ -309,16 +309,6 @@ fn resized_side(side: usize, images: usize, layout: PatchLayout) -> Result<usize
         )));
     }
     Ok(height)
-}
-
-/// Qwen2-VL's image processor settings with the patches `layout` cuts.
-fn preprocess_for(layout: PatchLayout) -> PreprocessConfig {
-    PreprocessConfig {
-        patch_size: layout.patch_size,
-        temporal_patch_size: layout.temporal_patch_size,
-        merge_size: layout.spatial_merge_size,
-        ..PreprocessConfig::default()
-    }
 }
 
 /// Scheduler steps an encode call took, from its outputs.
@@ -376,7 +366,7 @@ fn engine_with_adapters(
     };
     let mut engine = Engine::with_model(
         model.boxed_clone(),
-        preprocess_for(model.layout()),
+        model.layout().default_processor(),
         device.clone(),
         options,
     )?;

@@ -65,7 +65,7 @@ struct BatchRequest {
 impl Batch {
     /// Reads and checks the batch file at `path`.
     pub fn read(path: &Path) -> Result<Self, BatchError> {
-        let text = std::fs::read_to_string(path).map_err(|source| BatchError::Read {
+        let text = crate::vfs::read_to_string(path).map_err(|source| BatchError::Read {
             path: path.to_owned(),
             source,
         })?;

@@ -8,8 +8,11 @@
 
 pub mod batch;
 pub mod plan;
+// Threads share an engine natively; a page has one thread, which awaits the device.
+#[cfg(not(target_arch = "wasm32"))]
 mod shared;
 
+#[cfg(not(target_arch = "wasm32"))]
 pub use shared::SharedEngine;
 
 use std::any::Any;
@@ -18,15 +21,17 @@ use std::num::NonZeroUsize;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use burn::tensor::wgpu::wgpu;
 use burn::tensor::{Tensor, TensorData};
+use futures_util::FutureExt;
 use image::RgbImage;
+// `std::time::Instant` panics on wasm32 (no clock there); this one reads the page's.
+use web_time::Instant;
 
 use crate::adapters::registry::{AdapterKey, AdapterRegistry};
 use crate::adapters::{AdapterError, PeftAdapter, install};
-use crate::models::{self, ModelError, PatchLayout, VisionTower};
+use crate::models::{self, ModelError, PatchLayout, VisionOutput, VisionTower};
 use crate::ops::kernels::{KernelError, KernelPins, Kernels};
 use crate::ops::lora::{LoraBatch, MAX_RANK};
 use crate::preprocess::{
@@ -482,7 +487,20 @@ impl Engine {
     /// An adapter whose weights were evicted from memory (`max_cpu_adapters`) is read back from
     /// its folder at the step that needs it, and a folder that fails then fails the call, as
     /// does an output that is not finite ([`EngineError::NotFinite`]).
+    ///
+    /// Waits for the device: [`Engine::encode_async`] is the same call for code that must not
+    /// block (a browser's).
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn encode(
+        &mut self,
+        requests: &[Request],
+        with_tower: bool,
+    ) -> Result<Vec<Encoded>, EngineError> {
+        pollster::block_on(self.encode_async(requests, with_tower))
+    }
+
+    /// [`Engine::encode`], awaiting the device's results instead of waiting for them.
+    pub async fn encode_async(
         &mut self,
         requests: &[Request],
         with_tower: bool,
@@ -500,7 +518,7 @@ impl Engine {
                 )
             })
             .collect::<Result<Vec<_>, _>>()?;
-        self.encode_patches(requests, &patches, with_tower)
+        self.encode_patches(requests, &patches, with_tower).await
     }
 
     /// The most tower rows one step runs: `max_step_rows`, or fewer where the device's buffer
@@ -526,7 +544,7 @@ impl Engine {
     }
 
     /// Plans and runs the steps of requests whose patches are ready and checked.
-    fn encode_patches(
+    async fn encode_patches(
         &mut self,
         requests: &[Request],
         patches: &[Patches],
@@ -565,7 +583,9 @@ impl Engine {
 
         let mut results: Vec<Option<Encoded>> = vec![None; requests.len()];
         for (step, members) in steps.iter().enumerate() {
-            let outputs = self.run_step(step, members, requests, patches, with_tower)?;
+            let outputs = self
+                .run_step(step, members, requests, patches, with_tower)
+                .await?;
             for (&i, output) in members.iter().zip(outputs) {
                 results[i] = Some(output);
             }
@@ -581,7 +601,7 @@ impl Engine {
 
     /// One scheduler step over `requests[members]`: the step's mappings, the forward pass on its
     /// adapters' slots, the outputs split per request.
-    fn run_step(
+    async fn run_step(
         &mut self,
         step: usize,
         members: &[usize],
@@ -597,7 +617,9 @@ impl Engine {
             .flat_map(|&i| patches[i].pixel_values.iter().copied())
             .collect();
         let rows = pixels.len() / self.model.layout().patch_len();
-        let outputs = self.run_keeping_slots(&activation, pixels, &grids, with_tower)?;
+        let outputs = self
+            .run_keeping_slots(&activation, pixels, &grids, with_tower)
+            .await?;
         let step_time = started.elapsed();
         tracing::debug!(
             step,
@@ -671,7 +693,7 @@ impl Engine {
 
     /// [`Self::run_on_slots`], except that a step that fails gives its slots back as they were,
     /// so that the next call does not stack this step's adapters again (and fail the same way).
-    fn run_keeping_slots(
+    async fn run_keeping_slots(
         &mut self,
         activation: &MmLoraActivation,
         pixels: Vec<f32>,
@@ -683,7 +705,9 @@ impl Engine {
             self.slot_used.clone(),
             self.stacked.clone(),
         );
-        let ran = self.run_on_slots(activation, pixels, grids, with_tower);
+        let ran = self
+            .run_on_slots(activation, pixels, grids, with_tower)
+            .await;
         if ran.is_err() {
             let (slots, slot_used, stacked) = before;
             if self.stacked != stacked {
@@ -754,8 +778,9 @@ impl Engine {
             .collect()
     }
 
-    /// Puts the step's adapters in GPU slots and runs it ([`Self::forward_step`]).
-    fn run_on_slots(
+    /// Puts the step's adapters in GPU slots, runs it ([`Self::launch_step`]) and reads its
+    /// outputs back.
+    async fn run_on_slots(
         &mut self,
         activation: &MmLoraActivation,
         pixels: Vec<f32>,
@@ -773,37 +798,34 @@ impl Engine {
                 .expect("the spatial merger is a connector"),
             &self.slots,
         )?;
-        let outcome =
-            guarded(|| self.forward_step(pixels, grids, tower_meta, connector_meta, with_tower));
+        let launched = guarded(|| self.launch_step(pixels, grids, tower_meta, connector_meta));
+        let outcome = match launched {
+            Ok(output) => guarded_async(read_outputs(output, with_tower)).await,
+            Err(error) => Err(error),
+        };
         self.classify(outcome)
     }
 
-    /// Uploads a step's patches, runs tower and connector, and reads the results back.
-    fn forward_step(
+    /// Uploads a step's patches and runs tower and connector; the outputs stay on the device.
+    fn launch_step(
         &self,
         pixels: Vec<f32>,
         grids: &[[usize; 3]],
         tower_meta: KernelMeta,
         connector_meta: KernelMeta,
-        with_tower: bool,
-    ) -> Result<HostOutputs, EngineError> {
+    ) -> Result<VisionOutput, EngineError> {
         let on = &self.device.device;
         let rows = pixels.len() / self.model.layout().patch_len();
         let pixels = Tensor::<2>::from_data(
             TensorData::new(pixels, [rows, self.model.layout().patch_len()]),
             on,
         );
-        let output = self.model.forward(
+        Ok(self.model.forward(
             pixels,
             grids,
             &LoraBatch::with_kernels(tower_meta, &self.device, self.model.kernels().lora),
             &LoraBatch::with_kernels(connector_meta, &self.device, self.model.kernels().lora),
-        )?;
-        Ok(HostOutputs {
-            embeds: read_back(output.embeds)?,
-            tower: with_tower.then(|| read_back(output.tower)).transpose()?,
-            deepstack: output.deepstack.map(read_back).transpose()?,
-        })
+        )?)
     }
 
     /// A step's device work's result, with an [`EngineError::Execution`] classified by
@@ -819,11 +841,7 @@ impl Engine {
     /// ([`EngineError::DeviceLost`]; [`Engine::rebuild`] on a new device); anything else
     /// fails this call only.
     fn device_failure(&mut self, reason: String) -> EngineError {
-        if let Some(setup) = &self.device.wgpu {
-            // Lets wgpu run its device-lost callback if the device is gone.
-            let _ = setup.device.poll(wgpu::PollType::wait_indefinitely());
-        }
-        let lost = matches!(self.device.device.sync(), Err(e) if e.is_device_poisoned());
+        let lost = self.device_is_lost();
         tracing::error!(lost, reason, "a step failed on the device");
         if lost {
             self.lost = Some(reason.clone());
@@ -831,6 +849,25 @@ impl Engine {
         } else {
             EngineError::Execution(reason)
         }
+    }
+
+    /// Whether the device is gone (waits for it).
+    #[cfg(not(target_arch = "wasm32"))]
+    fn device_is_lost(&self) -> bool {
+        if let Some(setup) = &self.device.wgpu {
+            // Lets wgpu run its device-lost callback if the device is gone.
+            let _ = setup
+                .device
+                .poll(burn::tensor::wgpu::wgpu::PollType::wait_indefinitely());
+        }
+        matches!(self.device.device.sync(), Err(e) if e.is_device_poisoned())
+    }
+
+    /// A page cannot wait for the device to tell: a failed step fails its call only, and a
+    /// page whose calls keep failing opens a new engine.
+    #[cfg(target_arch = "wasm32")]
+    fn device_is_lost(&self) -> bool {
+        false
     }
 
     /// Makes sure the named adapters' weights are in memory (reading evicted ones again from
@@ -1028,6 +1065,7 @@ fn request_patches(
 
 /// Refuses a model with a weight f16 cannot hold (one read-back of every weight's largest
 /// magnitude).
+#[cfg(not(target_arch = "wasm32"))]
 fn check_fits_f16(model: &dyn VisionTower) -> Result<(), EngineError> {
     let (names, largest) = model.cast_magnitudes();
     let largest = largest
@@ -1043,12 +1081,42 @@ fn check_fits_f16(model: &dyn VisionTower) -> Result<(), EngineError> {
     }
 }
 
-/// Reads a device tensor into host memory (waits for the device).
-fn read_back(tensor: Tensor<2>) -> Result<HostTensor, EngineError> {
+/// A page cannot wait for the read-back that checks the weights fit f16, and the engine is
+/// opened synchronously: f16 is refused there.
+#[cfg(target_arch = "wasm32")]
+fn check_fits_f16(_: &dyn VisionTower) -> Result<(), EngineError> {
+    Err(EngineError::Options(
+        "f16 is not offered in a browser: the check that every weight fits f16 reads them back, \
+         which a page cannot wait for"
+            .to_owned(),
+    ))
+}
+
+/// Reads a step's outputs into host memory (the tower's only `with_tower`).
+async fn read_outputs(output: VisionOutput, with_tower: bool) -> Result<HostOutputs, EngineError> {
+    Ok(HostOutputs {
+        embeds: read_back(output.embeds).await?,
+        tower: match with_tower {
+            true => Some(read_back(output.tower).await?),
+            false => None,
+        },
+        deepstack: match output.deepstack {
+            Some(deepstack) => Some(read_back(deepstack).await?),
+            None => None,
+        },
+    })
+}
+
+/// Reads a device tensor into host memory once the device has computed it.
+async fn read_back(tensor: Tensor<2>) -> Result<HostTensor, EngineError> {
     let shape = tensor.dims();
+    let execution = |e: &dyn std::fmt::Display| EngineError::Execution(e.to_string());
     let values = tensor
+        .into_data_async()
+        .await
+        .map_err(|e| execution(&e))?
         .try_into_vec_as::<f32>()
-        .map_err(|e| EngineError::Execution(e.to_string()))?;
+        .map_err(|e| execution(&e))?;
     Ok(HostTensor { shape, values })
 }
 
@@ -1070,6 +1138,16 @@ struct StepOutputs {
 /// [`EngineError::Execution`] too.
 fn guarded<T>(work: impl FnOnce() -> Result<T, EngineError>) -> Result<T, EngineError> {
     catch_unwind(AssertUnwindSafe(work))
+        .unwrap_or_else(|panic| Err(EngineError::Execution(panic_message(&panic))))
+}
+
+/// [`guarded`] for device work that is awaited.
+async fn guarded_async<T>(
+    work: impl Future<Output = Result<T, EngineError>>,
+) -> Result<T, EngineError> {
+    AssertUnwindSafe(work)
+        .catch_unwind()
+        .await
         .unwrap_or_else(|panic| Err(EngineError::Execution(panic_message(&panic))))
 }
 

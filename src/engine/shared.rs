@@ -91,7 +91,7 @@ impl SharedEngine {
             .collect::<Result<Vec<_>, _>>()?;
         let mut engine = self.lock()?;
         engine.check_adapters(requests)?;
-        engine.encode_patches(requests, &patches, with_tower)
+        pollster::block_on(engine.encode_patches(requests, &patches, with_tower))
     }
 
     /// Runs `f` on the engine, holding the lock. `f` must keep the engine's model and image

@@ -6,15 +6,14 @@
 //! become `f32` tensors.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{Device, Tensor, TensorData};
-use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
 
 use crate::runtime::progress;
+use crate::vfs::{self, Bytes};
 
 /// Errors reading a checkpoint.
 #[derive(Debug, thiserror::Error)]
@@ -84,7 +83,7 @@ pub struct Checkpoint {
     /// Which file holds each key.
     locations: HashMap<String, PathBuf>,
     /// Files mapped so far.
-    maps: HashMap<PathBuf, Mmap>,
+    maps: HashMap<PathBuf, Bytes>,
     /// Tensors read so far, of how many are expected ([`Self::report_progress`]; 0: none).
     reads: (u64, u64),
 }
@@ -101,7 +100,7 @@ impl Checkpoint {
             maps: HashMap::new(),
             reads: (0, 0),
         };
-        if single.exists() {
+        if vfs::exists(&single) {
             let keys: Vec<String> = checkpoint
                 .map(&single)?
                 .names()
@@ -111,12 +110,11 @@ impl Checkpoint {
             for key in keys {
                 checkpoint.locations.insert(key, single.clone());
             }
-        } else if index_path.exists() {
-            let text =
-                std::fs::read_to_string(&index_path).map_err(|source| CheckpointError::Io {
-                    path: index_path.clone(),
-                    source,
-                })?;
+        } else if vfs::exists(&index_path) {
+            let text = vfs::read_to_string(&index_path).map_err(|source| CheckpointError::Io {
+                path: index_path.clone(),
+                source,
+            })?;
             let index: Index =
                 serde_json::from_str(&text).map_err(|e| CheckpointError::Format {
                     path: index_path.clone(),
@@ -149,17 +147,7 @@ impl Checkpoint {
                 path: path.to_owned(),
                 source,
             };
-            let file = File::open(path).map_err(io_error)?;
-            // A folder opens, and mapping it would fail as "no such device".
-            if file.metadata().map_err(io_error)?.is_dir() {
-                return Err(io_error(std::io::Error::new(
-                    std::io::ErrorKind::IsADirectory,
-                    "it is a folder",
-                )));
-            }
-            // Safety: the file is only read; a checkpoint changing under a running process is
-            // outside what any loader can defend against.
-            let map = unsafe { Mmap::map(&file) }.map_err(io_error)?;
+            let map = vfs::map(path).map_err(io_error)?;
             self.maps.insert(path.to_owned(), map);
         }
         let bytes = &self.maps[path];

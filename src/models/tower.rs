@@ -9,6 +9,7 @@ use crate::models::error::ModelError;
 use crate::nn::LoraLinear;
 use crate::ops::kernels::Kernels;
 use crate::ops::lora::LoraBatch;
+use crate::preprocess::PreprocessConfig;
 use crate::runtime::stages::StageClock;
 
 /// How a tower cuts images into patches and merges them into the connector's rows: what
@@ -29,6 +30,17 @@ impl PatchLayout {
     /// Values per patch row: channels × frames × side².
     pub fn patch_len(&self) -> usize {
         self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+    }
+
+    /// Qwen2-VL's image processor settings, cutting these patches: for a tower without a
+    /// folder (random weights of a [`crate::models::Preset`]'s shape).
+    pub fn default_processor(self) -> PreprocessConfig {
+        PreprocessConfig {
+            patch_size: self.patch_size,
+            temporal_patch_size: self.temporal_patch_size,
+            merge_size: self.spatial_merge_size,
+            ..PreprocessConfig::default()
+        }
     }
 }
 

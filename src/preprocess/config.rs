@@ -95,7 +95,7 @@ fn settings_file(dir: &Path) -> Result<Option<(PathBuf, ConfigFile)>, Preprocess
     let path = dir.join("preprocessor_config.json");
     match read_json(&path)? {
         Some(file) => Ok(Some((path, file))),
-        None if dir.is_dir() => Ok(None),
+        None if crate::vfs::is_dir(dir) => Ok(None),
         None => Err(PreprocessError::Io {
             path,
             source: std::io::ErrorKind::NotFound.into(),
@@ -105,7 +105,7 @@ fn settings_file(dir: &Path) -> Result<Option<(PathBuf, ConfigFile)>, Preprocess
 
 /// The JSON file at `path`, or `None` where there is none.
 fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Option<T>, PreprocessError> {
-    let text = match std::fs::read_to_string(path) {
+    let text = match crate::vfs::read_to_string(path) {
         Ok(text) => text,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(source) => {

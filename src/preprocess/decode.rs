@@ -18,7 +18,7 @@ pub const MAX_DECODED_PIXELS: u64 = 64 << 20;
 /// Reads and decodes an image file (PNG, JPEG, WebP) to RGB as transformers does: grayscale is
 /// replicated and transparency is composited onto white.
 pub fn load_image(path: &Path) -> Result<RgbImage, PreprocessError> {
-    let bytes = std::fs::read(path).map_err(|source| PreprocessError::Io {
+    let bytes = crate::vfs::read(path).map_err(|source| PreprocessError::Io {
         path: path.to_owned(),
         source,
     })?;

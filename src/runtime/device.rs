@@ -1,7 +1,9 @@
 //! The runtime device: Burn's CPU backend (Flex) or its wgpu backend on the adapter wgpu picks.
 
 use crate::named::named_choice;
-use burn::tensor::wgpu::{WgpuBackend, WgpuInitError, WgpuSetup, wgpu};
+/// The graphics APIs a wgpu device opens on ([`open_gpu`]).
+pub use burn::tensor::wgpu::WgpuBackend;
+use burn::tensor::wgpu::{WgpuInitError, WgpuSetup, wgpu};
 use burn::tensor::{DType, Device};
 
 named_choice! {

@@ -208,6 +208,10 @@ impl<K: Hash + Eq + Clone + Debug, C: Candidate> Tuner<K, C> {
         trial: &Trial<'_, C>,
         reference: impl FnOnce() -> Result<Option<Reference>, String>,
     ) -> (C, Option<Vec<Timing<C>>>) {
+        // A page cannot wait for the device, which timing does: the fallback runs there.
+        if cfg!(target_arch = "wasm32") {
+            return (trial.fallback, None);
+        }
         // Held while timing: two callers timing at once would slow each other's runs.
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(&kept) = state.kept.get(&key) {

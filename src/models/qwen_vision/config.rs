@@ -33,7 +33,7 @@ pub(crate) fn model_type(dir: &Path) -> Result<Option<String>, ConfigError> {
 
 fn read(dir: &Path) -> Result<(PathBuf, ConfigFile), ConfigError> {
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Io {
+    let text = crate::vfs::read_to_string(&path).map_err(|source| ConfigError::Io {
         path: path.clone(),
         source,
     })?;
