@@ -27,8 +27,21 @@ use mmlora::preprocess::{Patches, decode_image};
 use mmlora::runtime::device::{RuntimeDevice, WgpuBackend, open_gpu};
 use mmlora::vfs::{self, Mount};
 
+unsafe extern "C" {
+    /// The module's static constructors, which wasm-ld gathers (cubecl registers its IR's
+    /// dialects through `inventory`, whose items are such constructors).
+    fn __wasm_call_ctors();
+}
+
 #[wasm_bindgen(start)]
 fn start() {
+    // Run the constructors once, here. Where a module never calls them itself, wasm-ld links
+    // it "command-style" and runs them again at the start of every exported function: every
+    // call from JavaScript, wgpu's callbacks included, which cost the tiny model's batch most
+    // of its 1.1 s a call in Chromium.
+    // SAFETY: called once, when the module starts, before any other code of it reads what
+    // the constructors register.
+    unsafe { __wasm_call_ctors() };
     console_error_panic_hook::set_once();
 }
 
