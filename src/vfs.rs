@@ -4,8 +4,8 @@
 //! A browser has no filesystem for wasm32 to read: the files a user picks or the page fetches
 //! arrive as bytes. Mounting them under a folder name lets every loader read them by path, as
 //! it reads a downloaded model, so there is one loading path and errors name the file as the
-//! user knows it (`picked/config.json`). A path under a mounted folder is never looked up on
-//! disk; every other path is.
+//! user knows it (`models/<name>/config.json` in the web page). A path under a mounted folder
+//! is never looked up on disk; every other path is.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io;

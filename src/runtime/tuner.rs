@@ -11,6 +11,9 @@
 //!    between device syncs; the median time per call is its time, and the fastest is kept for
 //!    the shape, for the rest of the process (as Burn keeps its autotune's).
 //!
+//! In a browser (wasm32) nothing is timed: a page cannot wait for the device, so every choice
+//! keeps its fallback there.
+//!
 //! A device failure while timing keeps nothing (until the [`TIMING_TRIES`]th, which keeps the
 //! op's fallback): that call runs the fallback and the failure surfaces where the step reads
 //! its results. Nor does a batch that cannot decide, one whose inputs are not finite or whose

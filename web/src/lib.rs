@@ -109,17 +109,16 @@ impl Gpu {
         Ok(Gpu { device })
     }
 
-    /// The adapter's name as wgpu reports it.
+    /// The adapter's name and kind, as the page shows it.
     #[wasm_bindgen(getter)]
     pub fn name(&self) -> String {
         self.device.description.clone()
     }
 }
 
-/// Whether `bytes` decode as an image (PNG, JPEG, WebP), as the engine will decode them; the
-/// error names the file.
-#[wasm_bindgen(js_name = checkImage)]
-pub fn check_image(name: &str, bytes: &[u8]) -> Result<(), JsError> {
+/// Refuses `bytes` that do not decode as an image (PNG, JPEG, WebP) as the engine will decode
+/// them, naming the file.
+fn check_image(name: &str, bytes: &[u8]) -> Result<(), JsError> {
     decode_image(bytes, Path::new(name))
         .map(drop)
         .map_err(error)
