@@ -120,7 +120,11 @@ fn pick(
 /// What a candidate's output is checked against: the product in f32 by Burn's matmul (of the
 /// inputs as they are, f16 values being exact in f32), and per element twice the worst-case
 /// error of an f32 sum of its `in + 1` terms, `γ(in + 1) · (|x|·|Wᵀ| + |b|)`
-/// ([`tuner::gamma`]). `None` where the batch cannot decide ([`Reference::new`]).
+/// ([`tuner::gamma`]), plus, with a bias, one rounding of the product to the output's dtype,
+/// `u · |x|·|Wᵀ|`: a kernel may round `x·Wᵀ` before adding `b` (Burn's matmul, then its add),
+/// and where `b` cancels part of the product that rounding exceeds what the check allows for
+/// rounding the output ([`Reference::disagreement`]). `None` where the batch cannot decide
+/// ([`Reference::new`]).
 pub(crate) fn reference(
     x: &Tensor<2>,
     weight_t: &Tensor<2>,
@@ -133,11 +137,14 @@ pub(crate) fn reference(
     let bias = bias.map(|b| b.clone().cast(DType::F32));
     let product = linear(x.clone(), &weight_t, bias.as_ref(), LinearKernel::Burn);
     let magnitudes = x.abs().matmul(weight_t.abs());
-    let magnitudes = match bias {
-        Some(bias) => magnitudes + bias.abs().unsqueeze_dim(0),
-        None => magnitudes,
+    let sums = 2.0 * tuner::gamma(in_features + 1);
+    let bound = match bias {
+        Some(bias) => {
+            let rounded = magnitudes.clone() * tuner::unit_roundoff(output_dtype);
+            (magnitudes + bias.abs().unsqueeze_dim(0)) * sums + rounded
+        }
+        None => magnitudes * sums,
     };
-    let bound = magnitudes * (2.0 * tuner::gamma(in_features + 1));
     Reference::new(product, bound, output_dtype)
 }
 
