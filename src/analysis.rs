@@ -6,13 +6,14 @@
 
 use std::path::PathBuf;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::engine::{Encoded, ImageSource, Request};
 use crate::preprocess::patch_positions;
 
-/// One row of a batch: an image file and an adapter or none.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One row of a batch: an image file and an adapter or none (as JSON, `{"image": path,
+/// "adapter": name or null}`: the web page sends its batch so).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct BatchRow {
     /// The image file.
     pub image: PathBuf,

@@ -169,7 +169,10 @@ pub fn map(path: &Path) -> io::Result<Bytes> {
 /// The file at `path`.
 pub fn read(path: &Path) -> io::Result<Vec<u8>> {
     match place(path) {
-        Place::Mounted(..) => map(path).map(|bytes| bytes.to_vec()),
+        Place::Mounted(files, inside) => files
+            .get(&inside)
+            .map(|bytes| bytes.to_vec())
+            .ok_or_else(not_found),
         Place::Disk => std::fs::read(path),
     }
 }

@@ -11,11 +11,10 @@
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::rc::Rc;
 
 use js_sys::{Array, Float32Array, Promise, Uint8Array};
-use serde::Deserialize;
 use wasm_bindgen::prelude::*;
 use wasm_bindgen_futures::future_to_promise;
 use web_time::Instant;
@@ -153,11 +152,9 @@ pub fn colormap(t: f32) -> Vec<u8> {
     analysis::colormap(t).to_vec()
 }
 
-/// One batch row as the page sends it.
-#[derive(Deserialize)]
-struct Row {
-    image: String,
-    adapter: Option<String>,
+/// The batch as the page sends it (JSON: `[{"image": path, "adapter": name or null}, …]`).
+fn batch_rows(rows: &str) -> Result<Vec<BatchRow>, JsError> {
+    serde_json::from_str(rows).map_err(|e| error(format!("the batch: {e}")))
 }
 
 /// A model open on the GPU with its adapters and the page's images.
@@ -188,17 +185,8 @@ impl Session {
         let model = mount_named("models", name, files_of(files)?)?;
         let engine = Engine::open(model.folder(), gpu.device.clone(), EngineOptions::default())
             .map_err(error)?;
-        let state = State {
-            engine,
-            folder: model.folder().display().to_string(),
-            _model: Some(model),
-            adapters: BTreeMap::new(),
-            images: mount_free("images", Vec::new())?,
-            last: Vec::new(),
-        };
-        Ok(Session {
-            state: Rc::new(RefCell::new(state)),
-        })
+        let folder = model.folder().display().to_string();
+        Session::new(engine, folder, Some(model))
     }
 
     /// A tower of a released model's shape with random weights (`qwen2-vl-2b`, …: the names
@@ -215,17 +203,7 @@ impl Session {
             EngineOptions::default(),
         )
         .map_err(error)?;
-        let state = State {
-            engine,
-            folder: preset.to_string(),
-            _model: None,
-            adapters: BTreeMap::new(),
-            images: mount_free("images", Vec::new())?,
-            last: Vec::new(),
-        };
-        Ok(Session {
-            state: Rc::new(RefCell::new(state)),
-        })
+        Session::new(engine, preset.to_string(), None)
     }
 
     /// Times the engine call on the batch `rows` (as [`Session::run`] takes them, without the
@@ -234,18 +212,12 @@ impl Session {
     #[wasm_bindgen(js_name = timeRows)]
     pub fn time_rows(&self, rows: &str, repeats: usize) -> Promise {
         let state = self.state.clone();
-        let rows: Result<Vec<Row>, _> = serde_json::from_str(rows);
-        future_to_promise(async move {
-            let rows = rows.map_err(|e| JsValue::from(error(format!("the batch: {e}"))))?;
-            let requests: Vec<Request> = rows
-                .into_iter()
-                .enumerate()
-                .map(|(i, row)| Request {
-                    id: format!("row{i}"),
-                    image: ImageSource::File(PathBuf::from(row.image)),
-                    adapter: row.adapter,
-                })
-                .collect();
+        let rows = batch_rows(rows);
+        promise(async move {
+            let rows = rows?;
+            // A run's requests without the bases it adds after the rows.
+            let mut requests = analysis::requests(&rows);
+            requests.truncate(rows.len());
             time_calls(&state, &requests, repeats).await
         })
     }
@@ -255,7 +227,7 @@ impl Session {
     #[wasm_bindgen(js_name = timeRandom)]
     pub fn time_random(&self, images: usize, side: usize, repeats: usize) -> Promise {
         let state = self.state.clone();
-        future_to_promise(async move {
+        promise(async move {
             let layout = busy(&state)?.engine.model().layout();
             let grid_thw = [1, side / layout.patch_size, side / layout.patch_size];
             let values = grid_thw.iter().product::<usize>() * layout.patch_len();
@@ -280,10 +252,23 @@ impl Session {
         })
     }
 
+    /// A session around `engine`, its model from `folder` (`model` its files, if mounted).
+    fn new(engine: Engine, folder: String, model: Option<Mount>) -> Result<Session, JsError> {
+        let state = State {
+            engine,
+            folder,
+            _model: model,
+            adapters: BTreeMap::new(),
+            images: mount_free("images", Vec::new())?,
+            last: Vec::new(),
+        };
+        Ok(Session {
+            state: Rc::new(RefCell::new(state)),
+        })
+    }
+
     fn state(&self) -> Result<std::cell::RefMut<'_, State>, JsError> {
-        self.state
-            .try_borrow_mut()
-            .map_err(|_| error("a run is in progress"))
+        busy(&self.state)
     }
 
     /// The folder the model was mounted as (`models/<name>`).
@@ -360,16 +345,15 @@ impl Session {
     /// engine call and resolves to the run's summary as JSON ([`analysis::RunResult`]).
     pub fn run(&self, rows: &str) -> Promise {
         let state = self.state.clone();
-        let rows: Result<Vec<Row>, _> = serde_json::from_str(rows);
-        future_to_promise(async move {
-            let rows = rows.map_err(|e| JsValue::from(error(format!("the batch: {e}"))))?;
-            let summary = run_locked(&state, rows).await?;
+        let rows = batch_rows(rows);
+        promise(async move {
+            let summary = run_locked(&state, rows?).await?;
             Ok(JsValue::from_str(&summary))
         })
     }
 
-    /// The last run's output `what` (`embeds` or `tower`) of request `index` (the rows in
-    /// order, then one base per image), row-major, with its shape in `shape`.
+    /// The last run's output `what` (`embeds`, `tower` or `deepstack`) of request `index` (the
+    /// rows in order, then one base per image).
     pub fn output(&self, index: usize, what: &str) -> Result<Output, JsError> {
         let state = self.state()?;
         let encoded = state
@@ -391,19 +375,24 @@ impl Session {
     }
 }
 
+/// A promise of `work`, rejected with its error.
+fn promise(work: impl Future<Output = Result<JsValue, JsError>> + 'static) -> Promise {
+    future_to_promise(async move { work.await.map_err(JsValue::from) })
+}
+
 /// The session's state, or the error a call made during a run gets.
-fn busy(state: &RefCell<State>) -> Result<std::cell::RefMut<'_, State>, JsValue> {
+fn busy(state: &RefCell<State>) -> Result<std::cell::RefMut<'_, State>, JsError> {
     state
         .try_borrow_mut()
-        .map_err(|_| JsValue::from(error("a run is in progress")))
+        .map_err(|_| error("a run is in progress"))
 }
 
 /// [`State::run`], the state held over it: a call meanwhile is refused ([`busy`]), never a
 /// panic.
 #[expect(clippy::await_holding_refcell_ref)]
-async fn run_locked(state: &RefCell<State>, rows: Vec<Row>) -> Result<String, JsValue> {
+async fn run_locked(state: &RefCell<State>, rows: Vec<BatchRow>) -> Result<String, JsError> {
     let mut state = busy(state)?;
-    state.run(rows).await.map_err(JsValue::from)
+    state.run(rows).await
 }
 
 /// One call of `requests`, then `repeats` timed ones: their wall times in seconds. The state is
@@ -413,7 +402,7 @@ async fn time_calls(
     state: &RefCell<State>,
     requests: &[Request],
     repeats: usize,
-) -> Result<JsValue, JsValue> {
+) -> Result<JsValue, JsError> {
     let mut state = busy(state)?;
     let mut times = Vec::with_capacity(repeats);
     for call in 0..=repeats {
@@ -422,7 +411,7 @@ async fn time_calls(
             .engine
             .encode_async(requests, false)
             .await
-            .map_err(|e| JsValue::from(error(e)))?;
+            .map_err(error)?;
         if call > 0 {
             times.push(started.elapsed().as_secs_f64());
         }
@@ -431,17 +420,10 @@ async fn time_calls(
 }
 
 impl State {
-    async fn run(&mut self, rows: Vec<Row>) -> Result<String, JsError> {
+    async fn run(&mut self, rows: Vec<BatchRow>) -> Result<String, JsError> {
         if rows.is_empty() {
             return Err(error("the batch is empty: add a row"));
         }
-        let rows: Vec<BatchRow> = rows
-            .into_iter()
-            .map(|row| BatchRow {
-                image: PathBuf::from(row.image),
-                adapter: row.adapter,
-            })
-            .collect();
         let requests = analysis::requests(&rows);
         let started = Instant::now();
         let encoded = self
