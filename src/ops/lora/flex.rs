@@ -328,7 +328,7 @@ fn dims<const D: usize>(tensor: &FlexTensor) -> [usize; D] {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{Problem, assert_matches, check_f16, problems, reference};
+    use super::super::testing::{Problem, assert_matches, cases, check_f16, problems, reference};
     use super::super::{ShrinkKernel, lora_apply};
     use super::{MIN_RUN, runs};
     use crate::runtime::device;
@@ -346,7 +346,7 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 32, max_shrink_iters: 0, ..ProptestConfig::default() })]
+        #![proptest_config(ProptestConfig { cases: cases(32), max_shrink_iters: 0, ..ProptestConfig::default() })]
         #[test]
         fn native_matches_float64(problem in problems()) {
             check(&problem);
@@ -354,7 +354,7 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 8, max_shrink_iters: 0, ..ProptestConfig::default() })]
+        #![proptest_config(ProptestConfig { cases: cases(8), max_shrink_iters: 0, ..ProptestConfig::default() })]
         #[test]
         fn native_f16_matches_float64(problem in problems()) {
             check_f16(&problem, &device::cpu(), ShrinkKernel::Auto);
