@@ -10,7 +10,8 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::{Encoded, Engine, EngineError, Request, check_ids, request_patches};
+use super::checks::{check_ids, request_patches};
+use super::{Encoded, Engine, EngineError, Request};
 use crate::adapters::PeftAdapter;
 use crate::models::{LoraTarget, PatchLayout};
 use crate::preprocess::{ImageBackend, PreprocessConfig};

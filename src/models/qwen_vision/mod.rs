@@ -14,7 +14,6 @@ use crate::models::error::ModelError;
 use crate::models::tower::PatchLayout;
 use crate::nn::LoraLinear;
 use crate::ops::attention::AttentionKernel;
-use crate::ops::attention::wgsl as fused_attention;
 use crate::ops::kernels::Kernels;
 use crate::ops::lora::LoraBatch;
 use crate::ops::norm::{self, NormKernel};
@@ -145,8 +144,10 @@ pub(crate) fn attention_pieces(
     kernel: AttentionKernel,
     buffer_limit: u64,
 ) -> Vec<attention::Piece> {
-    let fused = kernel == AttentionKernel::Fused && fused_attention::takes(head_dim);
-    let limit = if fused { u64::MAX } else { buffer_limit };
+    let limit = match kernel.writes_scores(head_dim) {
+        true => buffer_limit,
+        false => u64::MAX,
+    };
     attention::pieces(segments, heads, limit)
 }
 

@@ -2,8 +2,8 @@
 //! for [`CubeBackend`].
 //!
 //! Burn's composition ([`super::composed`]) writes every score out, `[segments, heads, queries,
-//! len]` in f32, and reads it back through a softmax and two casts; on the H200 it ran the 2B
-//! tower's attention at 7.1 TFLOP/s, 23 % of the pass (BENCHMARKS.md).
+//! len]` in f32, and reads it back through a softmax and two casts (BENCHMARKS.md has what that
+//! costs on a hardware GPU).
 //! `shaders/attention/attention.wgsl` keeps each query's scores, softmax and sums in registers
 //! (FlashAttention's online softmax), so the kernel reads `q`, `k` and `v` and writes the output,
 //! nothing else, in one launch per 65 535 (segment, head) pairs (a strided `v`, as the tower's
@@ -19,19 +19,16 @@ use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros};
 use super::SdpaBackend;
 use crate::runtime::wgsl::{self, Elem};
 
-/// The kernel's file under `shaders/`.
-pub const FILE_NAME: &str = "attention.wgsl";
-
 /// Queries per workgroup, one per thread.
-pub const WORKGROUP: u32 = 64;
+const WORKGROUP: u32 = 64;
 
 /// Keys per tile of `k` and `v` in workgroup memory.
-pub const KEYS: u32 = 16;
+const KEYS: u32 = 16;
 
 /// The widest head the kernel takes, in vec4s: each thread holds its query's row and sums in
 /// `2 · MAX_HEAD4` vec4 registers, and the two tiles take `2 · KEYS · MAX_HEAD4` vec4s (16 KiB,
 /// WebGPU's least workgroup memory).
-pub const MAX_HEAD4: u32 = 32;
+const MAX_HEAD4: u32 = 32;
 
 impl SdpaBackend for CubeBackend {
     /// `shaders/attention/attention.wgsl` for f32 and f16 heads of a multiple of 4 values up to
@@ -90,7 +87,7 @@ impl SdpaBackend for CubeBackend {
 
 /// Whether the fused kernel takes heads of `head_dim` values (in f32 and f16): elsewhere
 /// [`SdpaBackend::attend_fused`] is Burn's composition, which writes the scores out.
-pub fn takes(head_dim: usize) -> bool {
+pub(super) fn takes(head_dim: usize) -> bool {
     AttentionSource::new(head_dim, [DType::F32; 3]).is_some()
 }
 
@@ -206,7 +203,10 @@ mod tests {
     /// naga translates for every backend wgpu has; it is the only file in `shaders/attention/`.
     #[test]
     fn every_variant_validates() {
-        assert_eq!(crate::ops::testing::shader_files("attention"), [FILE_NAME]);
+        assert_eq!(
+            crate::ops::testing::shader_files("attention"),
+            ["attention.wgsl"]
+        );
         for elem in Elem::ALL {
             for head4 in 1..=MAX_HEAD4 {
                 let source = AttentionSource { elem, head4 }.source().complete();
