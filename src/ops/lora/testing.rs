@@ -157,7 +157,9 @@ pub struct Reference {
     /// `base + Σ_r (x·A[slot]ᵀ)_r · B[slot]_r`, in f64.
     pub y: Vec<f64>,
     /// Per element `γ_n · Σ_r |x|·|A|ᵀ · |B|  +  u · |y|`, with `n = in + rank` (Higham's bound
-    /// for two chained f32 dot products, plus the rounding of the final add).
+    /// for two chained f32 dot products, plus the rounding of the final add); at rank 2, plus
+    /// `γ_1 · (|base| + (1 + γ_n) · Σ_r |x|·|A|ᵀ · |B|)` for the CPU path's extra rounding of
+    /// the output (see [`reference`]).
     pub bound: Vec<f64>,
 }
 
@@ -193,6 +195,13 @@ pub fn reference(problem: &Problem, data: &ProblemData) -> Reference {
                     d_abs += t_abs[r] * br[r].abs();
                 }
                 let idx = row * out_total + slice.offset + o;
+                if rank == 2 {
+                    // `gemm` adds a product of depth 2 into the output one term at a time (its
+                    // `gevv` path: `fma(t, b, y)` twice), so `base + t₀b₀` is rounded once more:
+                    // by `u·|base + t̂₀b₀|` at most, then scaled by the last rounding's `1 + u`.
+                    let gamma_1 = U / (1.0 - U);
+                    bound[idx] += gamma_1 * (y[idx].abs() + (1.0 + gamma) * d_abs);
+                }
                 y[idx] += d;
                 bound[idx] += gamma * d_abs;
             }
