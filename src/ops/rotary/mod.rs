@@ -2,33 +2,24 @@
 //!
 //! Composed from Burn's ops it is two slices, a negation, a concatenation, two broadcast
 //! products and a sum: five passes over `q` (and five over `k`) per block, each on one core on
-//! Flex (the CPU backend), 5.5 ms per tensor at 2048 rows of Qwen2-VL-2B. Flex here makes one
-//! pass over the rows, split over the rayon threads, with the same products and sum in the same
-//! order, so it gives the same bits.
+//! Flex (the CPU backend), which runs one pass of its own instead (`flex.rs`).
 //!
 //! The tower rotates `q` and `k` where the packed `qkv` output holds them, in f32 whatever the
 //! precision ([`rotate_packed`]). Composed, that is a copy of the part out of `qkv`, two casts
-//! and the five passes; on the H200 the rotary stage took about 40 ms of a 613 ms f32 pass and
-//! 46 ms of a 374 ms f16 one (BENCHMARKS.md). On the wgpu backend `shaders/rotary/rotary.wgsl` does
-//! it in one pass that reads the part where it lies ([`crate::ops::rotary::wgsl`]); elsewhere it
-//! stays composed.
+//! and the five passes (BENCHMARKS.md has their share of a pass on a hardware GPU). On the wgpu
+//! backend `shaders/rotary/rotary.wgsl` does it in one pass that reads the part where it lies
+//! (`wgsl.rs`); elsewhere it stays composed.
 
-pub mod wgsl;
+mod flex;
+mod wgsl;
 
 use std::ops::Range;
 
-use burn::backend::{
-    Backend, Dispatch, Flex, TensorMetadata, backend_extension, tensor::FloatTensor,
-};
-use burn::tensor::{DType, FloatDType, Shape, Tensor};
-use rayon::prelude::*;
+use burn::backend::{Backend, Dispatch, TensorMetadata, backend_extension, tensor::FloatTensor};
+use burn::tensor::{FloatDType, Shape, Tensor};
 
 use crate::ops::hardware;
 use crate::runtime::device::{DeviceClass, RuntimeDevice};
-use crate::runtime::flex::{dense, values, values_mut};
-
-/// Rows per rayon task: tens of KiB of the 2B tower's `q`, enough to hide the task's overhead.
-const ROWS_PER_TASK: usize = 16;
 
 /// Rotations with a faster implementation than their composition on some backend.
 #[backend_extension(Cube, Flex, Fusion)]
@@ -162,62 +153,13 @@ pub fn rotate_packed(
     })
 }
 
-impl RopeBackend for Flex {
-    /// f32 in one parallel pass over the rows, in place when `x` is dense and not shared; other
-    /// dtypes composed.
-    fn rotate(
-        x: FloatTensor<Self>,
-        cos: FloatTensor<Self>,
-        sin: FloatTensor<Self>,
-    ) -> FloatTensor<Self> {
-        if [x.dtype(), cos.dtype(), sin.dtype()] != [DType::F32; 3] {
-            return composed::<Self>(x, cos, sin);
-        }
-        let [rows, heads, head_dim] = x.layout().shape().dims::<3>();
-        assert_eq!(
-            [cos.layout().shape(), sin.layout().shape()],
-            [&Shape::from([rows, 1, head_dim]); 2],
-            "cos and sin hold one head's angles per row"
-        );
-        let (cos, sin) = (dense(cos), dense(sin));
-        let (cos, sin) = (values(&cos), values(&sin));
-        let mut y = dense(x);
-        let row = heads * head_dim;
-        values_mut(&mut y)
-            .par_chunks_mut(ROWS_PER_TASK * row)
-            .zip(cos.par_chunks(ROWS_PER_TASK * head_dim))
-            .zip(sin.par_chunks(ROWS_PER_TASK * head_dim))
-            .for_each(|((y, cos), sin)| {
-                let angles = cos.chunks_exact(head_dim).zip(sin.chunks_exact(head_dim));
-                for (y, (cos, sin)) in y.chunks_exact_mut(row).zip(angles) {
-                    for head in y.chunks_exact_mut(head_dim) {
-                        rotate_head(head, cos, sin);
-                    }
-                }
-            });
-        y
-    }
-}
-
-/// One head's vector rotated in place: for each `j` below half, `a = x[j]`, `b = x[j + half]`
-/// become `a·cos[j] + (−b)·sin[j]` and `b·cos[j + half] + a·sin[j + half]`, the composed form's
-/// products and sum exactly.
-fn rotate_head(head: &mut [f32], cos: &[f32], sin: &[f32]) {
-    let half = head.len() / 2;
-    let (first, second) = head.split_at_mut(half);
-    let (cos_first, cos_second) = cos.split_at(half);
-    let (sin_first, sin_second) = sin.split_at(half);
-    for j in 0..half {
-        let (a, b) = (first[j], second[j]);
-        first[j] = a * cos_first[j] + -b * sin_first[j];
-        second[j] = b * cos_second[j] + a * sin_second[j];
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::flex::ROWS_PER_TASK;
     use super::*;
     use crate::runtime::device::{self, RuntimeDevice};
+    use burn::backend::Flex;
+    use burn::tensor::DType;
     use burn::tensor::Distribution;
 
     /// Flex's pass gives the composed form's bits: at the 2B shape (rows spanning several
