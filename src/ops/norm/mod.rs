@@ -1,15 +1,15 @@
-//! Layer norm in f32 whatever the model computes in, as a backend extension; RMSNorm in
-//! [`rms`].
+//! Layer norm in f32 whatever the model computes in, as a backend extension; RMSNorm
+//! ([`rms_norm`], `rms.rs`).
 //!
 //! Composed ([`composed`]) it is a cast to f32, Burn's `layer_norm` and a cast back. On the CPU
 //! backend Burn's `layer_norm` is one fused pass. On the wgpu backend it is two mean
-//! reductions and the elementwise passes around them, several passes over the rows: on the
-//! H200 the tower's 65 norms took about 24 ms of a 613 ms f32 pass (BENCHMARKS.md), where
-//! reading and writing their rows once takes about 1 ms. There `shaders/norm/layer_norm.wgsl` does
-//! it in one launch ([`crate::ops::norm::wgsl`]), on hardware GPUs ([`NormKernel`]).
+//! reductions and the elementwise passes around them, several passes over the rows, where one
+//! would do (BENCHMARKS.md has their share of a pass on a hardware GPU). There
+//! `shaders/norm/layer_norm.wgsl` does it in one launch (`wgsl.rs`), on hardware GPUs
+//! ([`NormKernel`]).
 
-pub mod rms;
-pub mod wgsl;
+mod rms;
+mod wgsl;
 
 pub use rms::rms_norm;
 
@@ -27,8 +27,7 @@ pub enum NormKernel {
     /// [`NormBackend::layer_norm_f32`]: `shaders/norm/layer_norm.wgsl`, for hardware GPUs.
     Fused,
     /// Burn's ops ([`composed`]): for software GPUs, where the kernel's workgroup barriers cost
-    /// more than the passes they save (3.1× the composed form's time over the tiny preset's
-    /// norms on lavapipe, BENCHMARKS.md).
+    /// more than the passes they save (measured on lavapipe: BENCHMARKS.md).
     #[default]
     Composed,
 }

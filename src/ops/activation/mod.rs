@@ -4,22 +4,17 @@
 //! 0.044715 x³))` with k = √(2/π), which is `x/2 · (1 + tanh(k · (x + 0.044715 x³)))`); and
 //! GELU (the mergers') in f32 whatever the dtype.
 //!
-//! Composed from Burn's ops QuickGELU is three passes over the MLP's widest activation, and on Flex (the
-//! CPU backend) each of them runs on one core with a scalar `exp`: about 60 ms per block at 2048
-//! rows on 2 cores, a tenth of the block. Flex here makes one in-place pass split over the rayon
-//! threads, in SIMD lanes ([`exp`]). The GPU backends keep the composed form
-//! ([`composed`]), which Burn's fusion compiles into one kernel with its neighbours.
+//! Composed from Burn's ops QuickGELU is three passes over the MLP's widest activation, and on
+//! Flex (the CPU backend) each of them runs on one core with a scalar `exp`, a sizeable share of
+//! a block (BENCHMARKS.md). Flex runs one pass of its own instead (`flex.rs`). The GPU backends
+//! keep the composed form ([`composed`]), which Burn's fusion compiles into one kernel with its
+//! neighbours.
 
-use burn::backend::{
-    Backend, Dispatch, Flex, backend_extension, tensor::FloatTensor, wgpu::CubeBackend,
-};
+mod flex;
+
+use burn::backend::{Backend, Dispatch, backend_extension, tensor::FloatTensor, wgpu::CubeBackend};
 use burn::tensor::activation::gelu;
 use burn::tensor::{DType, Tensor};
-use multiversion::multiversion;
-use rayon::prelude::*;
-
-use crate::runtime::exp::exp;
-use crate::runtime::flex::{dense, values_mut};
 
 /// QuickGELU's slope: `x · sigmoid(1.702 · x)` approximates GELU.
 pub const QUICK_GELU_SLOPE: f32 = 1.702;
@@ -32,9 +27,6 @@ pub const GELU_TANH_SLOPE: f32 = 2.0 * 0.797_884_6;
 
 /// GELU-tanh's cubic coefficient.
 pub const GELU_TANH_CUBIC: f32 = 0.044_715;
-
-/// Values per rayon task: a few hundred KiB, enough to hide the task's overhead.
-const CHUNK: usize = 1 << 16;
 
 /// Activations with a faster implementation than their composition on some backend.
 #[backend_extension(Cube, Flex, Fusion)]
@@ -108,66 +100,11 @@ pub fn gelu_in_f32<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 
 impl ActivationBackend for CubeBackend {}
 
-impl ActivationBackend for Flex {
-    fn quick_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        in_place_on_flex(
-            x,
-            |x| composed::<Flex>(x, QUICK_GELU_SLOPE),
-            |values| gated_in_place(values, QUICK_GELU_SLOPE),
-        )
-    }
-
-    fn silu(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        in_place_on_flex(
-            x,
-            |x| composed::<Flex>(x, SILU_SLOPE),
-            |values| gated_in_place(values, SILU_SLOPE),
-        )
-    }
-
-    fn gelu_tanh(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        in_place_on_flex(x, composed_gelu_tanh::<Flex>, gelu_tanh_in_place)
-    }
-}
-
-/// An activation on Flex: f32 in one parallel pass of `pass` over chunks, in place when `x` is
-/// not shared; other dtypes by `composed`.
-fn in_place_on_flex(
-    x: FloatTensor<Flex>,
-    composed: impl FnOnce(FloatTensor<Flex>) -> FloatTensor<Flex>,
-    pass: impl Fn(&mut [f32]) + Sync + Send,
-) -> FloatTensor<Flex> {
-    if x.dtype() != DType::F32 {
-        return composed(x);
-    }
-    let mut y = dense(x);
-    values_mut(&mut y).par_chunks_mut(CHUNK).for_each(pass);
-    y
-}
-
-/// `x · sigmoid(slope · x)` over `values` as `x / (1 + exp(−slope · x))`, in SIMD lanes
-/// ([`exp`]): the quotient keeps the limits exact (`exp` overflowing to ∞ gives −0 for large
-/// negative `x`; `x` itself for large positive), and NaN stays NaN.
-#[multiversion(targets = "simd")]
-fn gated_in_place(values: &mut [f32], slope: f32) {
-    for x in values {
-        *x /= 1.0 + exp(-slope * *x);
-    }
-}
-
-/// GELU-tanh over `values` as `x / (1 + exp(−2k · (x + 0.044715 x³)))`, in SIMD lanes, with
-/// the limits of [`gated_in_place`] (a cube overflowing to ±∞ gives `x` or −0).
-#[multiversion(targets = "simd")]
-fn gelu_tanh_in_place(values: &mut [f32]) {
-    for x in values {
-        let inner = *x + GELU_TANH_CUBIC * (*x * *x * *x);
-        *x /= 1.0 + exp(-GELU_TANH_SLOPE * inner);
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::flex::CHUNK;
     use super::*;
+    use burn::backend::Flex;
     use crate::runtime::device;
     use burn::tensor::{Distribution, TensorData};
 
