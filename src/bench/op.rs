@@ -7,7 +7,7 @@
 //! expand, which tells the op's two launches apart; and the op fused into the base linear
 //! ([`LoraLinear::fused_where_it_fits`]: the shrink, then the linear kernel adding each row's
 //! delta as it stores it) wherever the base linear's kernel is one of ours with the epilogue,
-//! so that the two ways the engine chooses between (`ops::lora::fusion`) are timed side by side.
+//! so that the two ways the engine chooses between (`src/ops/lora/fusion.rs`) are timed side by side.
 //!
 //! Each is timed as one call between device syncs, and all but the naive path also back to back
 //! ([`time_per_call`]): [`BACK_TO_BACK_CALLS`] calls between two syncs, as a forward pass runs
@@ -26,7 +26,7 @@ use crate::named::named_choice;
 use crate::nn::LoraLinear;
 use crate::ops::linear::LinearKernel;
 use crate::ops::linear::choice::LinearChoice;
-use crate::ops::lora::{LoraBatch, LoraSlice, ShrinkKernel, choice, lora_apply};
+use crate::ops::lora::{LoraBatch, LoraSlice, SHRINK_CANDIDATES, ShrinkKernel, lora_apply};
 use crate::routing::meta::KernelMeta;
 use crate::runtime::device::{Precision, RuntimeDevice};
 use crate::runtime::timing::time_per_call;
@@ -257,7 +257,7 @@ impl OpInputs {
 pub fn shrink_kernels(chosen: ShrinkKernel, on: &RuntimeDevice) -> Vec<ShrinkKernel> {
     let hardware_gpu = on.wgpu.is_some() && on.hardware_gpu;
     if chosen == ShrinkKernel::Auto && hardware_gpu {
-        choice::CANDIDATES.to_vec()
+        SHRINK_CANDIDATES.to_vec()
     } else {
         vec![chosen.resolve(on)]
     }

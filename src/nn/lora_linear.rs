@@ -4,7 +4,7 @@ use burn::tensor::{DType, Tensor};
 
 use crate::ops::linear::choice::LinearChoice;
 use crate::ops::linear::{LinearKernel, materialize};
-use crate::ops::lora::{FusedLinear, LoraBatch, LoraOpError, LoraSlice, fuse, fusion, lora_apply};
+use crate::ops::lora::{FusedLinear, LoraBatch, LoraOpError, LoraSlice, fuse, fuses, lora_apply};
 
 /// A base linear plus the adapters stacked in its slots (none until adapters are activated).
 #[derive(Debug, Clone)]
@@ -100,7 +100,7 @@ impl LoraLinear {
             Ok(fused) => fused,
             Err(error) => return Some(Err(error)),
         };
-        if matches!(self.kernel, LinearChoice::Timed(_)) && !fusion::fuses(&x, &fused).0 {
+        if matches!(self.kernel, LinearChoice::Timed(_)) && !fuses(&x, &fused).0 {
             return None;
         }
         Some(Ok(fused.run(x)))
@@ -174,7 +174,7 @@ mod tests {
             layer.set_kernel(LinearChoice::Timed(&[LinearKernel::Tiled]));
             let batch = LoraBatch::new(problem.meta(), &gpu);
             let fused = layer.fuse(&on.x, &batch).unwrap().unwrap();
-            fusion::keep_for_tests(&on.x, &fused, fuses);
+            crate::ops::lora::keep_for_tests(&on.x, &fused, fuses);
 
             let all_fused = layer
                 .fused_where_it_fits(on.x.clone(), &batch)

@@ -73,4 +73,3 @@ fn gelu_tanh_in_place(values: &mut [f32]) {
         *x /= 1.0 + exp(-GELU_TANH_SLOPE * inner);
     }
 }
-

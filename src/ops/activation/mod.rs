@@ -104,8 +104,8 @@ impl ActivationBackend for CubeBackend {}
 mod tests {
     use super::flex::CHUNK;
     use super::*;
-    use burn::backend::Flex;
     use crate::runtime::device;
+    use burn::backend::Flex;
     use burn::tensor::{Distribution, TensorData};
 
     /// An activation `x · sigmoid(z(x))` under test: the op, its gate's argument `z` in

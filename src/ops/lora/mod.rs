@@ -3,11 +3,11 @@
 //!
 //! One backend extension ([`LoraBackend`]) with two implementations that share the same
 //! [`KernelMeta`]:
-//! - [`flex`]: the CPU backend (Flex): for each slot's rows, two `gemm` calls on the tensors'
+//! - `flex.rs`: the CPU backend (Flex): for each slot's rows, two `gemm` calls on the tensors'
 //!   memory, the expand adding into the output in place. Checked against a float64 per-row loop.
-//! - [`wgsl`]: our shaders (`shaders/lora/lora_shrink*.wgsl`, `shaders/lora/lora_expand*.wgsl`) on
+//! - `wgsl.rs`: our shaders (`shaders/lora/lora_shrink*.wgsl`, `shaders/lora/lora_expand*.wgsl`) on
 //!   Burn's wgpu buffers, walking the same segments in tiles of rows; the shrink shader is the
-//!   batch's [`ShrinkKernel`], picked for the device ([`choice`] times the candidates on a
+//!   batch's [`ShrinkKernel`], picked for the device (`choice.rs` times the candidates on a
 //!   hardware GPU).
 //!
 //! Rows whose slot is [`NO_SLOT`](crate::routing::meta::NO_SLOT) keep `base` bit-for-bit. Callers
@@ -19,13 +19,19 @@
 //! row's `shrunk · B[slot]ᵀ` to its sums as it stores the row (`shaders/linear/linear_lora.wgsl`),
 //! which saves the expand's launch and its pass over the output.
 
-pub mod choice;
-pub mod composed;
-pub mod flex;
-pub mod fusion;
+mod choice;
+mod composed;
+mod flex;
+mod fusion;
 #[cfg(test)]
 pub(crate) mod testing;
-pub mod wgsl;
+mod wgsl;
+
+#[cfg(feature = "bench")]
+pub(crate) use choice::CANDIDATES as SHRINK_CANDIDATES;
+pub(crate) use fusion::fuses;
+#[cfg(test)]
+pub(crate) use fusion::keep_for_tests;
 
 use std::borrow::Cow;
 use std::num::NonZeroUsize;

@@ -78,6 +78,7 @@ pub enum LoraShader {
 
 impl LoraShader {
     /// Every kernel, for tests that check them all.
+    #[cfg(test)]
     pub const ALL: [LoraShader; 6] = [
         LoraShader::Shrink,
         LoraShader::ShrinkVec4,
@@ -174,6 +175,7 @@ impl LoraShader {
 
     /// The WGSL source specialised for `rank_tile` (see [`rank_tile`]), `elem` and `threads`
     /// per workgroup ([`tile_threads`]; ignored by the shaders of one size).
+    #[cfg(test)]
     pub fn render(self, rank_tile: u32, elem: Elem, threads: u32) -> String {
         LoraKernel::new(self, rank_tile, elem, threads)
             .source()
@@ -188,6 +190,7 @@ pub fn rank_tile(rank: usize) -> u32 {
 }
 
 /// Every rank block [`rank_tile`] can return.
+#[cfg(test)]
 pub fn rank_tiles() -> impl Iterator<Item = u32> {
     [4, 8, 16, 32].into_iter()
 }
