@@ -25,7 +25,7 @@ use crate::models::qwen2_vl::DEFAULT_BUFFER_LIMIT;
 use crate::named::named_choice;
 use crate::nn::LoraLinear;
 use crate::ops::linear::LinearKernel;
-use crate::ops::linear::choice::LinearChoice;
+use crate::ops::linear::LinearChoice;
 use crate::ops::lora::{LoraBatch, LoraSlice, SHRINK_CANDIDATES, ShrinkKernel, lora_apply};
 use crate::routing::meta::KernelMeta;
 use crate::runtime::device::{Precision, RuntimeDevice};

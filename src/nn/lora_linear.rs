@@ -2,7 +2,7 @@
 
 use burn::tensor::{DType, Tensor};
 
-use crate::ops::linear::choice::LinearChoice;
+use crate::ops::linear::LinearChoice;
 use crate::ops::linear::{LinearKernel, materialize};
 use crate::ops::lora::{FusedLinear, LoraBatch, LoraOpError, LoraSlice, fuse, fuses, lora_apply};
 

@@ -17,7 +17,7 @@ use std::str::FromStr;
 use strum::VariantNames;
 
 use crate::ops::attention::AttentionKernel;
-use crate::ops::linear::choice::LinearChoice;
+use crate::ops::linear::LinearChoice;
 use crate::ops::linear::{self, CoopTiling, LinearKernel};
 use crate::ops::lora::{LoraKernels, ShrinkKernel};
 use crate::ops::norm::NormKernel;

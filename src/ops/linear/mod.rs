@@ -34,7 +34,7 @@
 //! in), `flex` and `wgsl` (the extension on each backend), [`choice`] (the per-shape timed
 //! choice).
 
-pub mod choice;
+mod choice;
 mod flex;
 mod shader;
 mod source;
@@ -42,6 +42,8 @@ mod source;
 mod tests;
 mod wgsl;
 
+pub use choice::LinearChoice;
+pub(crate) use choice::reference as timed_reference;
 pub use shader::*;
 use source::*;
 pub(crate) use wgsl::{LoraEpilogue, cube_source, launch_linear};

@@ -17,7 +17,7 @@ use burn::tensor::{DType, Tensor};
 
 use super::{FusedLinear, composed};
 use crate::ops::linear::LinearShader;
-use crate::ops::linear::choice;
+use crate::ops::linear::timed_reference;
 use crate::runtime::tuner::{self, Reference, Timing, Trial, Tuner};
 
 /// A shape choices are kept for.
@@ -86,11 +86,11 @@ pub fn fuses(x: &Tensor<2>, fused: &FusedLinear<'_>) -> (bool, Option<Vec<Timing
 }
 
 /// The layer's output composed in f32: the linear's reference product
-/// ([`choice::reference`]) with the op's composed delta added ([`composed::reference`]), their
+/// ([`timed_reference`]) with the op's composed delta added ([`composed::reference`]), their
 /// bounds summed, plus one rounding of the product to the output's dtype, which the op apart
 /// stores before it adds the delta.
 fn reference(x: &Tensor<2>, fused: &FusedLinear<'_>) -> Result<Option<Reference>, String> {
-    let Some(product) = choice::reference(x, fused.weight_t, Some(fused.bias))? else {
+    let Some(product) = timed_reference(x, fused.weight_t, Some(fused.bias))? else {
         return Ok(None);
     };
     let slices = std::slice::from_ref(fused.slice);
