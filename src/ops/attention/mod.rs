@@ -34,7 +34,7 @@ pub trait SdpaBackend: Backend {
 
     /// The same attention (shapes as in [`SdpaBackend::attend`]) in one kernel that never
     /// writes the scores out, where the backend has one: on the wgpu backend
-    /// [`crate::ops::attention::wgsl`]; elsewhere [`SdpaBackend::attend`].
+    /// `wgsl.rs`; elsewhere [`SdpaBackend::attend`].
     #[fusion(dtype = q, shape = q)]
     fn attend_fused(
         q: FloatTensor<Self>,

@@ -3,7 +3,7 @@
 //! [`linear`] computes it with the backend's own products ([`LinearBackend::linear_native`]: on
 //! the GPU Burn's matmul and add, [`composed`], the reference), or with one of our WGSL kernels
 //! ([`LinearShader`]), as [`LinearKernel`] says (which one a layer takes, fixed or timed per
-//! shape, is [`choice`]'s):
+//! shape, is `choice.rs`'s):
 //! - `shaders/linear/linear.wgsl` is built for lavapipe (llvmpipe), where every load from a
 //!   storage buffer is a loop over the SIMD lanes: each thread keeps [`ROWS`] rows × [`COLUMNS`]
 //!   `vec4` columns of sums in registers, so a weight load feeds `ROWS · 4` multiply-adds.
@@ -31,7 +31,7 @@
 //! the bias, whichever kernel is asked for.
 //!
 //! The files: `shader` (which kernels exist and where they run), `source` (their WGSL, filled
-//! in), `flex` and `wgsl` (the extension on each backend), [`choice`] (the per-shape timed
+//! in), `flex` and `wgsl` (the extension on each backend), `choice` (the per-shape timed
 //! choice).
 
 mod choice;
@@ -69,7 +69,7 @@ named_choice! {
         /// The fastest for each shape of the device's candidates (`burn` and `tiled` on a hardware
         /// GPU, and the `coop` kernels in f16 where they run; `wgsl` and `burn` on a software one),
         /// timed on the device the first time a product of that shape runs, each output checked
-        /// against Burn's product in f32 first (the [`choice`] module).
+        /// against Burn's product in f32 first (`choice.rs`).
         Timed,
         /// Burn's matmul, then the bias added.
         Burn,
@@ -216,7 +216,7 @@ impl LinearKernel {
     }
 
     /// The kernel `self` picks on `device`: never `Auto` (`Timed` stays a choice to make per
-    /// shape, [`crate::ops::linear::choice::LinearChoice`]).
+    /// shape, [`LinearChoice`]).
     pub fn resolve(self, device: &RuntimeDevice) -> Self {
         match (self, device.class()) {
             (LinearKernel::Auto, DeviceClass::Cpu) => LinearKernel::Burn,
@@ -262,7 +262,7 @@ impl LinearKernel {
 /// kernel takes the tensors (`kernel_elem`: one dtype, f32 or f16, f16 for `Coop`; every
 /// width a multiple of 4, `in` not 0) and `x` is on a wgpu device whose limits the kernel fits
 /// (on Flex the extension is Burn's matmul and add); with Burn's matmul otherwise (`Auto` and
-/// `Timed` included: [`crate::ops::linear::choice::LinearChoice`] picks for those).
+/// `Timed` included: [`LinearChoice`] picks for those).
 ///
 /// `Coop` needs a device where [`coop_subgroup`] is `Some`: the limits Burn's client reports
 /// show the subgroup size and workgroup memory but not the cooperative-matrix feature, so

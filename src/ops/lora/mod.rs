@@ -271,7 +271,7 @@ impl LoraBatch {
         batch
     }
 
-    /// The batch with `Timed` resolved to the kernel [`choice`] picks for this shape (timing
+    /// The batch with `Timed` resolved to the kernel `choice.rs` picks for this shape (timing
     /// the candidates if it is a new one): what the backend launches. `x`, an output of
     /// `out_total` columns and `slices` are the op's checked inputs, with an adapter row.
     fn resolved(&self, x: &Tensor<2>, out_total: usize, slices: &[LoraSlice]) -> Cow<'_, Self> {
@@ -392,7 +392,7 @@ pub fn linear_lora(
 
 /// [`linear_lora`]'s checks and what it launches, apart from the launch: `Ok(None)` where the
 /// op does not fit `shader`'s product, so that a caller can run the op fused or apart, both on
-/// the same checked inputs ([`fusion`] times the two).
+/// the same checked inputs (`fusion.rs` times the two).
 pub fn fuse<'a>(
     x: &Tensor<2>,
     weight_t: &'a Tensor<2>,
