@@ -365,9 +365,9 @@ mod tests {
     }
 
     /// At rank 2 `gemm` adds each of the two products into the output in turn where the output
-    /// is larger than 16 × 16 (its `gevv` path), so the output is rounded twice: `1 + ¾·2⁻²³` rounds up to `1 + 2⁻²³`, and adding `⅝·2⁻²³` rounds up
-    /// again to `1 + 2⁻²²`, 1.25 units of roundoff from the exact `1 + 1⅜·2⁻²³` where one
-    /// rounding gives 0.75. The reference's bound allows that second rounding (CI once saw a
+    /// is larger than 16 × 16 (its `gevv` path), so the output is rounded twice: `1 + ¾·2⁻²³`
+    /// rounds up to `1 + 2⁻²³`, and adding `⅝·2⁻²³` rounds up again to `1 + 2⁻²²`, 1.25 units
+    /// of roundoff from the exact `1 + 1⅜·2⁻²³` where one rounding gives 0.75. The reference's bound allows that second rounding (CI once saw a
     /// random rank-2 problem exceed the bound without it) and still holds the result.
     #[test]
     fn rank_two_rounds_the_output_twice_within_the_bound() {

@@ -173,6 +173,7 @@ pub fn reference(problem: &Problem, data: &ProblemData) -> Reference {
         let (a, b) = (to_f64(&slice.a), to_f64(&slice.b));
         let n = (in_f + rank) as f64;
         let gamma = n * U / (1.0 - n * U);
+        let gamma_1 = U / (1.0 - U);
         for (row, &slot) in problem.token_slots.iter().enumerate() {
             if slot == NO_SLOT {
                 continue;
@@ -199,7 +200,6 @@ pub fn reference(problem: &Problem, data: &ProblemData) -> Reference {
                     // `gemm` adds a product of depth 2 into the output one term at a time (its
                     // `gevv` path: `fma(t, b, y)` twice), so `base + t₀b₀` is rounded once more:
                     // by `u·|base + t̂₀b₀|` at most, then scaled by the last rounding's `1 + u`.
-                    let gamma_1 = U / (1.0 - U);
                     bound[idx] += gamma_1 * (y[idx].abs() + (1.0 + gamma) * d_abs);
                 }
                 y[idx] += d;
