@@ -180,3 +180,20 @@ impl Engine {
         self.options.max_step_rows.min(self.model.max_rows())
     }
 }
+
+/// Dropping an engine waits for the work it submitted. The device outlives the engine (Burn
+/// keeps one per process), and a process that exits while a driver thread still runs that
+/// work may crash inside the driver: lavapipe's queue thread was seen to fault in LLVM, whose
+/// globals the exit had already torn down, after a step's uploads with nothing read back.
+/// A page never exits this way, and cannot block on the device.
+#[cfg(not(target_arch = "wasm32"))]
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if self.lost.is_none() {
+            // A driver fault here has nobody left to report to.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.device.device.sync()
+            }));
+        }
+    }
+}
