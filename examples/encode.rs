@@ -5,8 +5,7 @@
 
 use std::path::PathBuf;
 
-use mmlora::engine::{Engine, EngineOptions, ImageSource, Request};
-use mmlora::runtime::device::{self, DeviceChoice};
+use mmlora::{DeviceChoice, Engine, EngineOptions, ImageSource, Request, device};
 
 /// On the CPU backend a caching allocator matters: see the README's "Choices".
 #[global_allocator]

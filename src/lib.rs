@@ -11,7 +11,7 @@
 //! - [`preprocess`]: images to patches, as the model's image processor makes them.
 //! - [`ops`]: one folder per op (linear, LoRA, attention, norm, rotary, activation), each with
 //!   its backend extension, its fast paths and the composed reference beside them.
-//! - [`nn`]: the layers models are written in ([`nn::LoraLinear`]).
+//! - `nn`: the layers models are written in (`nn::LoraLinear`).
 //! - [`models`]: checkpoints and the vision towers built from those layers.
 //! - [`adapters`]: PEFT adapters, checked against a model and installed in its slots.
 //! - [`engine`]: requests in, embeddings out, one step at a time.
@@ -19,6 +19,8 @@
 //!   and `benches/`; `bundled` (feature `bundled`, on with `cli`): the tiny Qwen2-VL model
 //!   compiled in, the default of every front end; `fuzzing` (feature `testkit`): the fuzz
 //!   targets' entry points, which the tests replay.
+
+#![warn(missing_docs)]
 
 pub mod adapters;
 pub mod analysis;
@@ -32,9 +34,24 @@ pub mod files;
 pub mod fuzzing;
 pub mod models;
 mod named;
-pub mod nn;
+pub(crate) mod nn;
 pub mod ops;
 pub mod preprocess;
 pub mod routing;
 pub mod runtime;
 pub mod vfs;
+
+// What a user of the library reaches for first: the engine, what it takes and gives, the
+// choices it is opened with, and why each step can fail. The modules hold the rest.
+pub use adapters::{AdapterError, PeftAdapter};
+#[cfg(not(target_arch = "wasm32"))]
+pub use engine::SharedEngine;
+pub use engine::batch::{Batch, BatchError};
+pub use engine::{
+    Encoded, Engine, EngineError, EngineOptions, HostTensor, ImageSource, MAX_LORAS, Request,
+};
+pub use models::{ConfigError, ModelError, Preset};
+pub use ops::kernels::{KernelError, KernelPins};
+pub use preprocess::{ImageBackend, Patches, PreprocessConfig, PreprocessError};
+pub use routing::mapping::{LoraMapping, LoraMappingKind};
+pub use runtime::device::{self, DeviceChoice, DeviceError, Precision, RuntimeDevice};

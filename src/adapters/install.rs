@@ -3,7 +3,7 @@
 use burn::tensor::{Device, Tensor, TensorData};
 
 use super::{ModuleLora, PeftAdapter};
-use crate::models::tower::VisionTower;
+use crate::models::VisionTower;
 use crate::ops::lora::LoraSlice;
 
 /// Stacks the adapters in `slots` (slot `i` holds `slots[i]`, or nothing) into every target

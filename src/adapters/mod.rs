@@ -12,7 +12,7 @@
 
 mod install;
 mod patterns;
-pub mod registry;
+pub(crate) mod registry;
 
 pub use install::install;
 use patterns::{Pattern, TargetFilter};
@@ -24,8 +24,8 @@ use indexmap::IndexMap;
 use safetensors::SafeTensors;
 use serde::Deserialize;
 
+use crate::models::LoraTarget;
 use crate::models::checkpoint::{float_values, safetensors_failure};
-use crate::models::tower::LoraTarget;
 
 /// `target_modules`: a list of module-name suffixes or one regex.
 #[derive(Debug, Clone, PartialEq, Deserialize)]

@@ -111,6 +111,7 @@ impl AdapterRegistry {
     }
 
     /// How many adapters' weights are in memory.
+    #[cfg(test)]
     pub fn loaded_count(&self) -> usize {
         self.loaded.len()
     }

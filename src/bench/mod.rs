@@ -46,7 +46,7 @@ pub struct BenchSpec {
     /// The float type the model computes in.
     pub precision: Precision,
     /// Kernels pinned by name. With the linears left to the device or timed, the base also
-    /// runs with each of the device's [`LinearKernel::candidates`] pinned, and with attention
+    /// runs with each of the device's `LinearKernel::candidates` pinned, and with attention
     /// left to a GPU, with the implementation it does not pick: to compare them in one run.
     pub kernels: KernelPins,
 }

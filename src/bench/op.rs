@@ -5,12 +5,12 @@
 //! row, or in runs of rows as a batch's images hold them. Beside them, the base plus the
 //! op onto its first [`NARROW_COLUMNS`] output columns alone: the whole shrink with next to no
 //! expand, which tells the op's two launches apart; and the op fused into the base linear
-//! ([`LoraLinear::fused_where_it_fits`]: the shrink, then the linear kernel adding each row's
+//! (`LoraLinear::fused_where_it_fits`: the shrink, then the linear kernel adding each row's
 //! delta as it stores it) wherever the base linear's kernel is one of ours with the epilogue,
 //! so that the two ways the engine chooses between (`src/ops/lora/fusion.rs`) are timed side by side.
 //!
 //! Each is timed as one call between device syncs, and all but the naive path also back to back
-//! ([`time_per_call`]): [`BACK_TO_BACK_CALLS`] calls between two syncs, as a forward pass runs
+//! (`time_per_call`): [`BACK_TO_BACK_CALLS`] calls between two syncs, as a forward pass runs
 //! its layers. On a hardware GPU a sync costs more than a small linear (about 0.37 ms on the
 //! H200, against about 0.1 ms for 256 rows of `attn.qkv`), so only the back-to-back times say
 //! what the op adds to a linear at few rows.
@@ -214,7 +214,7 @@ impl OpInputs {
     }
 
     /// The base linear with each row's LoRA delta fused into the base linear's kernel where
-    /// that is one of ours with the epilogue ([`LoraLinear::fused_where_it_fits`], whether or
+    /// that is one of ours with the epilogue (`LoraLinear::fused_where_it_fits`, whether or
     /// not the engine's timing would fuse it), else the base then the op. Whether it was fused.
     pub fn fused(&self) -> (Tensor<2>, bool) {
         match self.layer.fused_where_it_fits(self.x.clone(), &self.batch) {
@@ -320,7 +320,7 @@ pub struct OpRecord {
     /// [`OpRecord::lora_overhead`].
     pub narrow_lora_overhead: f64,
     /// Whether the base linear's kernel took the op fused
-    /// ([`LoraLinear::fused_where_it_fits`]); where not, the fused timings are the base and the
+    /// (`LoraLinear::fused_where_it_fits`); where not, the fused timings are the base and the
     /// op again.
     pub fused: bool,
     /// The base linear with the op fused into it, median ms.

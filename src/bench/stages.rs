@@ -1,5 +1,5 @@
 //! Where a batch's time goes (`mmlora bench --stages`): each stage of the forward pass timed
-//! with a [`StageClock`], at the base and with adapters mixed, and the multiply-add rate of
+//! with a `StageClock`, at the base and with adapters mixed, and the multiply-add rate of
 //! each stage that is a product (linears, attention, the LoRA op) in TFLOP/s.
 //!
 //! The clock waits for the device at the end of every stage, which serialises what the device
@@ -23,7 +23,7 @@ use crate::runtime::stages::{Stage, StageClock, StageTime};
 /// One stage's share of a configuration's clocked pass.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct StageLine {
-    /// The stage ([`Stage::name`]).
+    /// The stage (`Stage::name`).
     pub stage: &'static str,
     /// Its marks in one pass (32 `qkv`s in the 2B tower).
     pub marks: usize,
@@ -49,7 +49,7 @@ pub struct StageProfile {
     pub plain_ms: f64,
     /// A clocked pass, the sum of its stages' medians, ms.
     pub clocked_ms: f64,
-    /// Each stage, in the order of [`Stage`].
+    /// Each stage, in the order of `Stage`.
     pub stages: Vec<StageLine>,
 }
 

@@ -17,7 +17,7 @@ pub mod batch;
 mod checks;
 mod error;
 mod faults;
-pub mod plan;
+pub(crate) mod plan;
 // Threads share an engine natively; a page has one thread, which awaits the device.
 #[cfg(not(target_arch = "wasm32"))]
 mod shared;

@@ -2,14 +2,14 @@
 //! (`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`; what they share in `qwen_vision`), each implementing
 //! [`VisionTower`], which is all the engine calls.
 
-pub mod checkpoint;
-pub mod error;
+pub(crate) mod checkpoint;
+mod error;
 pub mod presets;
 pub mod qwen2_5_vl;
 pub mod qwen2_vl;
 pub mod qwen3_vl;
 pub(crate) mod qwen_vision;
-pub mod tower;
+mod tower;
 
 use std::path::Path;
 

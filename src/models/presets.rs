@@ -40,8 +40,11 @@ named_choice! {
 /// A preset's config, of its family.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PresetConfig {
+    /// A Qwen2-VL tower's.
     Qwen2Vl(VisionConfig),
+    /// A Qwen2.5-VL tower's.
     Qwen25Vl(Qwen25VlConfig),
+    /// A Qwen3-VL tower's.
     Qwen3Vl(Qwen3VlConfig),
 }
 

@@ -16,6 +16,10 @@ use crate::runtime::wgsl::ElemShader;
 
 /// A run of the hardware script whose tests passed.
 #[derive(Debug)]
+#[allow(
+    dead_code,
+    reason = "the record of a run, for its readers; the tests read the commit"
+)]
 pub struct HardwareRun {
     /// The commit its binaries were built from.
     pub commit: &'static str,
@@ -45,6 +49,10 @@ pub const H200_95E0768: HardwareRun = HardwareRun {
 
 /// A shader file checked on hardware: its path under `shaders/` and its text's hash then.
 #[derive(Debug)]
+#[allow(
+    dead_code,
+    reason = "`run` is the record of where it passed; the tests read it"
+)]
 pub struct Checked {
     /// `op/file.wgsl`.
     pub shader: &'static str,

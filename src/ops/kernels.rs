@@ -5,7 +5,7 @@
 //! - the CPU backend runs Flex's matmul and mmlora's own passes;
 //! - a software GPU (lavapipe) runs the kernels written and measured for it;
 //! - a hardware GPU runs only kernels whose shaders passed their tests on one
-//!   ([`crate::ops::hardware`]), timed per shape where more than one did.
+//!   (`ops/hardware.rs`), timed per shape where more than one did.
 //!
 //! [`KernelPins`] overrides that choice for benchmarks and bug reports: `mmlora bench --kernels
 //! linear=tiled,shrink=wide`, or the same text in [`ENV`] for any command. A pin opts into a

@@ -5,14 +5,14 @@
 //! [`lora`] builds on [`linear`] (its fused form runs in the linear kernels' store); the others
 //! stand alone.
 
-pub mod activation;
+pub(crate) mod activation;
 pub mod attention;
-pub mod hardware;
+pub(crate) mod hardware;
 pub mod kernels;
 pub mod linear;
 pub mod lora;
-pub mod norm;
-pub mod rotary;
+pub(crate) mod norm;
+pub(crate) mod rotary;
 #[cfg(test)]
 pub(crate) mod testing;
 

@@ -7,11 +7,11 @@
 //! operations → identical frames → patches flattened merge-block-major, each row laid out
 //! `[C][T][patch][patch]`.
 //!
-//! By job: [`config`] reads the processor's settings, [`decode`] turns files into RGB as
+//! By job: `config` reads the processor's settings, `decode` turns files into RGB as
 //! Pillow does, `resample` resizes as each backend does; this file cuts the patches.
 
-pub mod config;
-pub mod decode;
+mod config;
+mod decode;
 #[cfg(not(target_arch = "wasm32"))]
 mod jpeg;
 mod resample;

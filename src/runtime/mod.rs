@@ -2,10 +2,10 @@
 //! through, Flex tensors' memory for the CPU ops, and the clocks that time kernels and stages.
 
 pub mod device;
-pub mod exp;
-pub mod flex;
+pub(crate) mod exp;
+pub(crate) mod flex;
 pub mod progress;
-pub mod stages;
-pub mod timing;
-pub mod tuner;
-pub mod wgsl;
+pub(crate) mod stages;
+pub(crate) mod timing;
+pub(crate) mod tuner;
+pub(crate) mod wgsl;

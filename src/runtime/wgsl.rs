@@ -31,6 +31,7 @@ pub enum Elem {
 
 impl Elem {
     /// Both element types.
+    #[cfg(test)]
     pub const ALL: [Elem; 2] = [Elem::F32, Elem::F16];
 
     /// The element type of a tensor of `dtype` (our kernels take no other).

@@ -3,7 +3,7 @@
 //! Composed from Burn's ops it is two batched matmuls around a scale and a softmax, with copies
 //! of `q`, `k` and `v` into head-major order and of the output back; on Flex (the CPU backend)
 //! most of its time is the softmax's scalar `exp` (BENCHMARKS.md has the figures). Flex runs its
-//! own pass instead (`flex.rs`); the GPU backends keep the composed form ([`composed`]), which
+//! own pass instead (`flex.rs`); the GPU backends keep the composed form (`composed`), which
 //! Burn's fusion compiles with its neighbours, or run one WGSL kernel (`wgsl.rs`).
 
 mod flex;
@@ -18,7 +18,7 @@ use crate::runtime::device::{DeviceClass, RuntimeDevice};
 
 /// Attention with a faster implementation than its composition on some backend.
 #[backend_extension(Cube, Flex, Fusion)]
-pub trait SdpaBackend: Backend {
+pub(crate) trait SdpaBackend: Backend {
     /// For `q`: `[segments, queries, heads, head_dim]` and `k`, `v`: `[segments, len, heads,
     /// head_dim]` (all of one dtype), each segment's queries attend to its own `len` keys, head
     /// by head: `softmax(q·kᵀ·scale)·v`, the softmax taken in f32. Output shaped as `q`.
@@ -54,10 +54,10 @@ named_choice! {
         /// has passed its tests on one), `burn` elsewhere. Unresolved, it runs as `burn`.
         #[default]
         Auto,
-        /// [`SdpaBackend::attend`]: Burn's ops on the GPU ([`composed`]), mmlora's own pass on the
+        /// `SdpaBackend::attend`: Burn's ops on the GPU (`composed`), mmlora's own pass on the
         /// CPU.
         Burn,
-        /// [`SdpaBackend::attend_fused`]: one WGSL kernel on the GPU, the same pass as `Burn` on
+        /// `SdpaBackend::attend_fused`: one WGSL kernel on the GPU, the same pass as `Burn` on
         /// the CPU.
         Fused,
     }
@@ -69,7 +69,7 @@ impl AttentionKernel {
 
     /// The implementation this choice runs on `device`. `Auto` takes the fused kernel on a
     /// hardware GPU, where Burn's composition writes every score out to memory and reads it
-    /// back, once the kernel's shader has passed its tests on one ([`crate::ops::hardware`]).
+    /// back, once the kernel's shader has passed its tests on one (`ops/hardware.rs`).
     /// It takes Burn's on a software GPU, where the kernel's workgroup barriers cost more than
     /// the passes they save (both measured in BENCHMARKS.md), and on the CPU, where both are
     /// mmlora's own pass.
@@ -90,14 +90,14 @@ impl AttentionKernel {
     /// Whether this choice, resolved, writes every score out to device memory for heads of
     /// `head_dim`: Burn's composition does, and so does the fused kernel where it does not take
     /// that width ([`SdpaBackend::attend_fused`] then runs the composition).
-    pub fn writes_scores(self, head_dim: usize) -> bool {
+    pub(crate) fn writes_scores(self, head_dim: usize) -> bool {
         !(self == AttentionKernel::Fused && wgsl::takes(head_dim))
     }
 }
 
 /// The attention from Burn's ops, on any backend: the scores cast to f32 for the softmax (as
 /// PyTorch's autocast runs it) and the weights back to the inputs' dtype.
-pub fn composed<B: Backend>(
+pub(crate) fn composed<B: Backend>(
     q: FloatTensor<B>,
     k: FloatTensor<B>,
     v: FloatTensor<B>,
@@ -118,7 +118,7 @@ pub fn composed<B: Backend>(
 }
 
 /// `softmax(q·kᵀ·scale)·v` per segment and head on the backend of `q`'s device (shapes as in
-/// [`SdpaBackend::attend`]), computed by `kernel`.
+/// `SdpaBackend::attend`), computed by `kernel`.
 pub fn attend(
     q: Tensor<4>,
     k: Tensor<4>,

@@ -42,7 +42,7 @@ static TUNER: Tuner<ShapeKey, LinearKernel> = Tuner::new("linear kernel");
 
 impl LinearChoice {
     /// What `kernel` means on `device` for tensors of `dtype`: `Timed` over the device's
-    /// [`LinearKernel::candidates`] (`Fixed` where there is one), any other kernel `Fixed`.
+    /// `LinearKernel::candidates` (`Fixed` where there is one), any other kernel `Fixed`.
     /// `auto` times only the kernels checked on a hardware GPU; `timed`, chosen by name, all.
     pub fn new(kernel: LinearKernel, device: &RuntimeDevice, dtype: DType) -> Self {
         let hardware_checked = kernel == LinearKernel::Auto;

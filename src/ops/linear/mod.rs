@@ -1,11 +1,11 @@
 //! The linear layers' base product, `x · Wᵀ + b`, as a backend extension.
 //!
-//! [`linear`] computes it with the backend's own products ([`LinearBackend::linear_native`]: on
-//! the GPU Burn's matmul and add, [`composed`], the reference), or with one of our WGSL kernels
-//! ([`LinearShader`]), as [`LinearKernel`] says (which one a layer takes, fixed or timed per
+//! [`linear`] computes it with the backend's own products (`LinearBackend::linear_native`: on
+//! the GPU Burn's matmul and add, `composed`, the reference), or with one of our WGSL kernels
+//! (`LinearShader`), as [`LinearKernel`] says (which one a layer takes, fixed or timed per
 //! shape, is `choice.rs`'s):
 //! - `shaders/linear/linear.wgsl` is built for lavapipe (llvmpipe), where every load from a
-//!   storage buffer is a loop over the SIMD lanes: each thread keeps [`ROWS`] rows × [`COLUMNS`]
+//!   storage buffer is a loop over the SIMD lanes: each thread keeps `ROWS` rows × `COLUMNS`
 //!   `vec4` columns of sums in registers, so a weight load feeds `ROWS · 4` multiply-adds.
 //! - `shaders/linear/linear_tiled.wgsl` is built for hardware GPUs: 128 × 128 blocks staged
 //!   through workgroup memory, 8 × 8 sums per thread, the next slice's loads in flight during
@@ -13,12 +13,12 @@
 //! - `shaders/linear/linear_coop.wgsl` is built for GPUs with cooperative matrices (tensor cores:
 //!   wgpu's experimental `EXPERIMENTAL_COOPERATIVE_MATRIX`, Vulkan's `VK_KHR_cooperative_matrix`),
 //!   in f16: 128 × 128 blocks staged through workgroup memory, each subgroup multiplying 16 × 16
-//!   f16 matrices into 16 × 16 matrices of f32 sums, in one of two [`CoopTiling`]s (`coop`:
+//!   f16 matrices into 16 × 16 matrices of f32 sums, in one of two `CoopTiling`s (`coop`:
 //!   8 subgroups of 32 × 64 values; `coop-wide`: 4 subgroups of 64 × 64 values).
 //! - `shaders/linear/linear_coop_direct.wgsl` (`coop-direct`) is `coop-wide` with its matrices
 //!   loaded straight from the buffers: no workgroup memory and no barrier in its k loop.
 //!
-//! Only devices that offer cooperative matrices run the last two ([`coop_subgroup`]); lavapipe
+//! Only devices that offer cooperative matrices run the last two (`coop_subgroup`); lavapipe
 //! does not, so CI runs their staging, indexing and stores with the cooperative operations
 //! emulated.
 //!
@@ -44,7 +44,7 @@ mod wgsl;
 
 pub use choice::LinearChoice;
 pub(crate) use choice::reference as timed_reference;
-pub use shader::*;
+pub(crate) use shader::*;
 use source::*;
 pub(crate) use wgsl::{LoraEpilogue, cube_source, launch_linear};
 
@@ -85,12 +85,12 @@ named_choice! {
         /// kernel (else Burn's). Only for a device that offers cooperative matrices (`mmlora
         /// devices` says): the engine refuses it elsewhere.
         Coop,
-        /// `shaders/linear/linear_coop.wgsl` as `Coop`, in [`CoopTiling::Wide`]: four subgroups of
+        /// `shaders/linear/linear_coop.wgsl` as `Coop`, in `CoopTiling::Wide`: four subgroups of
         /// 32 per workgroup, each summing a 64 × 64 cell, so that it loads half a matrix from
         /// workgroup memory per product, against three quarters in `Coop`'s 32 × 64 cells at
         /// subgroups of 32. Only for a device with cooperative matrices and subgroups of 32 alone.
         CoopWide,
-        /// `shaders/linear/linear_coop_direct.wgsl`, in [`CoopTiling::Direct`]: `CoopWide`'s cells,
+        /// `shaders/linear/linear_coop_direct.wgsl`, in `CoopTiling::Direct`: `CoopWide`'s cells,
         /// each matrix loaded straight from `x` and `Wᵀ` rather than staged through workgroup
         /// memory, where `in` is a multiple of 16 and there are at least 16 rows and 16 output
         /// columns (else Burn's). Only for a device with cooperative matrices and subgroups of 32
@@ -101,7 +101,7 @@ named_choice! {
 
 /// Linear layers' products with a faster implementation than Burn's on some backend.
 #[backend_extension(Cube, Flex, Fusion)]
-pub trait LinearBackend: Backend {
+pub(crate) trait LinearBackend: Backend {
     /// `x · weight_t + bias` for `x`: `[rows, in]`, `weight_t`: `[in, out]`, `bias`: `[out]`,
     /// all of one dtype, every width a multiple of 4 and `in` not 0: computed by `shader` on
     /// the wgpu backend, by [`LinearBackend::linear_native`] elsewhere.
@@ -141,7 +141,7 @@ pub fn materialize(x: Tensor<2>) -> Tensor<2> {
 }
 
 /// `x · weight_t + bias` from Burn's matmul and add, on any backend.
-pub fn composed<B: Backend>(
+pub(crate) fn composed<B: Backend>(
     x: FloatTensor<B>,
     weight_t: FloatTensor<B>,
     bias: FloatTensor<B>,
@@ -163,7 +163,7 @@ impl LinearKernel {
     /// [`TILED_WORKGROUP`] (OpenGL ES 3.1 promises 128) times none of ours: Burn's alone (such
     /// a device with cooperative matrices, which `coop-wide`'s 128 invocations would fit, is
     /// not known).
-    pub fn candidates(
+    pub(crate) fn candidates(
         device: &RuntimeDevice,
         dtype: DType,
         hardware_checked: bool,
@@ -211,7 +211,7 @@ impl LinearKernel {
 
     /// Whether `self` may run on a hardware GPU under `auto`: Burn's, or ours where its shader
     /// passed its tests on one ([`LinearShader::hardware_checked`]).
-    pub fn hardware_checked(self) -> bool {
+    pub(crate) fn hardware_checked(self) -> bool {
         self.shader().is_none_or(LinearShader::hardware_checked)
     }
 
@@ -235,18 +235,18 @@ impl LinearKernel {
 
     /// The tiling of a cooperative-matrix kernel (`coop`, `coop-wide`, `coop-direct`); `None`
     /// for the others.
-    pub fn coop_tiling(self) -> Option<CoopTiling> {
+    pub(crate) fn coop_tiling(self) -> Option<CoopTiling> {
         self.shader().and_then(LinearShader::coop_tiling)
     }
 
-    /// [`coop_subgroup`] of a cooperative-matrix kernel's tiling on `device`: the subgroup size
+    /// `coop_subgroup` of a cooperative-matrix kernel's tiling on `device`: the subgroup size
     /// it runs at there; `None` where it cannot run, and for the other kernels.
     pub fn coop_subgroup(self, device: &RuntimeDevice) -> Option<u32> {
         coop_subgroup(device, self.coop_tiling()?)
     }
 
     /// Our shader behind `self`, if it is one of ours.
-    pub fn shader(self) -> Option<LinearShader> {
+    pub(crate) fn shader(self) -> Option<LinearShader> {
         match self {
             LinearKernel::Wgsl => Some(LinearShader::Registers),
             LinearKernel::Tiled => Some(LinearShader::Tiled),
@@ -264,7 +264,7 @@ impl LinearKernel {
 /// (on Flex the extension is Burn's matmul and add); with Burn's matmul otherwise (`Auto` and
 /// `Timed` included: [`LinearChoice`] picks for those).
 ///
-/// `Coop` needs a device where [`coop_subgroup`] is `Some`: the limits Burn's client reports
+/// `Coop` needs a device where `coop_subgroup` is `Some`: the limits Burn's client reports
 /// show the subgroup size and workgroup memory but not the cooperative-matrix feature, so
 /// elsewhere the shader fails to compile rather than falling back (the engine refuses `coop`
 /// on such a device when it opens).
@@ -298,7 +298,12 @@ pub fn linear(
 /// Whether `shader` takes the product `x · weight_t + bias`: one dtype, f32 or f16 (f16 alone
 /// for the cooperative-matrix kernels), every width a multiple of 4, `in` not 0, and the shapes
 /// its tiling takes.
-pub fn takes(shader: LinearShader, x: &Tensor<2>, weight_t: &Tensor<2>, bias: &Tensor<1>) -> bool {
+pub(crate) fn takes(
+    shader: LinearShader,
+    x: &Tensor<2>,
+    weight_t: &Tensor<2>,
+    bias: &Tensor<1>,
+) -> bool {
     kernel_elem(
         shader,
         (x.dtype(), x.dims()),

@@ -1,6 +1,7 @@
 //! Our linear kernels, their block shapes, and which of them a device runs: its workgroup and
 //! subgroup limits, and for the coop kernels its cooperative matrices.
 
+#[cfg(test)]
 use burn::backend::wgpu::KernelSource;
 use burn::tensor::wgpu::WgpuSetup;
 
@@ -55,6 +56,7 @@ pub const COOP_DEPTH: u32 = 32;
 
 /// The file under `shaders/` that both coop kernels' sources paste in where they say
 /// `store_staged` (`coop_template`): their end, checked as part of each.
+#[cfg(test)]
 pub const COOP_STORE_FILE_NAME: &str = "linear_coop_store.wgsl";
 
 /// The side of one cooperative matrix of the coop kernels (16 × 16 × 16 products).
@@ -62,6 +64,7 @@ pub(crate) const MATRIX: u32 = 16;
 
 /// The LoRA epilogue our linear kernels for hardware GPUs paste in (`{{ lora }}`) where they add
 /// each row's adapter delta as they store it ([`LinearShader::has_lora_epilogue`]).
+#[cfg(test)]
 pub const LORA_FILE_NAME: &str = "linear_lora.wgsl";
 
 /// Values each row of `linear_coop.wgsl`'s slices in workgroup memory is padded by: 16 bytes of
@@ -111,6 +114,7 @@ pub enum CoopTiling {
 
 impl CoopTiling {
     /// Every tiling.
+    #[cfg(test)]
     pub const ALL: [CoopTiling; 3] = [CoopTiling::Narrow, CoopTiling::Wide, CoopTiling::Direct];
 
     /// Invocations per workgroup.
@@ -122,6 +126,7 @@ impl CoopTiling {
     }
 
     /// The tiling's shader file under `shaders/`.
+    #[cfg(test)]
     pub(crate) fn file_name(self) -> &'static str {
         match self {
             CoopTiling::Narrow | CoopTiling::Wide => "linear_coop.wgsl",
@@ -171,6 +176,7 @@ impl Capacity {
 
 impl LinearShader {
     /// Every kernel, for tests that check them all.
+    #[cfg(test)]
     pub const ALL: [LinearShader; 5] = [
         LinearShader::Registers,
         LinearShader::Tiled,
@@ -180,6 +186,7 @@ impl LinearShader {
     ];
 
     /// The shader's file name under `shaders/`.
+    #[cfg(test)]
     pub fn file_name(self) -> &'static str {
         match self {
             LinearShader::Registers => "linear.wgsl",
@@ -213,7 +220,7 @@ impl LinearShader {
     }
 
     /// Whether every file this shader's base product is made of passed its tests on a
-    /// hardware GPU as it is now ([`crate::ops::hardware`]): what `auto` may take there.
+    /// hardware GPU as it is now (`ops/hardware.rs`): what `auto` may take there.
     pub fn hardware_checked(self) -> bool {
         files(self)
             .iter()
@@ -224,6 +231,7 @@ impl LinearShader {
     /// (read by `Coop` alone), with the LoRA epilogue where `lora` says; `None` where the
     /// shader is not written for them (`Coop`: f16 alone, at the subgroup sizes its tiling lays
     /// out).
+    #[cfg(test)]
     pub fn render(self, elem: Elem, subgroup: u32, lora: bool) -> Option<String> {
         LinearSource::new(self, elem, subgroup)
             .filter(|_| !lora || self.has_lora_epilogue())

@@ -1,7 +1,7 @@
 //! The LoRA-apply op: `y = base + (x · A[slot]ᵀ) · B[slot]ᵀ` for every row, each row with its own
 //! adapter slot.
 //!
-//! One backend extension ([`LoraBackend`]) with two implementations that share the same
+//! One backend extension (`LoraBackend`) with two implementations that share the same
 //! [`KernelMeta`]:
 //! - `flex.rs`: the CPU backend (Flex): for each slot's rows, two `gemm` calls on the tensors'
 //!   memory, the expand adding into the output in place. Checked against a float64 per-row loop.
@@ -14,7 +14,7 @@
 //! use [`lora_apply`], which checks shapes, ranks, slots and row counts and returns a typed
 //! [`LoraOpError`] instead of a wrong answer.
 //!
-//! [`linear_lora`] is the op fused into the base product, for a layer whose product one of our
+//! `linear_lora` is the op fused into the base product, for a layer whose product one of our
 //! linear kernels computes on a wgpu device: the shrink runs first, and the kernel adds each
 //! row's `shrunk · B[slot]ᵀ` to its sums as it stores the row (`shaders/linear/linear_lora.wgsl`),
 //! which saves the expand's launch and its pass over the output.
@@ -52,7 +52,7 @@ use crate::runtime::device::{DeviceClass, RuntimeDevice};
 pub const MAX_RANK: usize = 512;
 
 /// Rows per tile: the WGSL kernels give each workgroup up to this many rows of one slot.
-pub const TILE_ROWS: usize = 16;
+pub(crate) const TILE_ROWS: usize = 16;
 
 /// [`TILE_ROWS`] as [`KernelMeta::tiles`] takes it.
 const TILE: NonZeroUsize = NonZeroUsize::new(TILE_ROWS).expect("tiles hold rows");
@@ -103,8 +103,8 @@ impl ShrinkKernel {
     }
 
     /// Whether this kernel's shrink shader passed its tests on a hardware GPU as it is now
-    /// ([`crate::ops::hardware`]); `auto` and `timed` are choices, not shaders.
-    pub fn hardware_checked(self) -> bool {
+    /// (`ops/hardware.rs`); `auto` and `timed` are choices, not shaders.
+    pub(crate) fn hardware_checked(self) -> bool {
         match self {
             ShrinkKernel::Auto | ShrinkKernel::Timed => false,
             // Both vec4 and scalar forms are one file each.
@@ -126,7 +126,7 @@ pub struct LoraKernels {
 impl LoraKernels {
     /// What the shrink pin `shrink` runs on `device`. A pin other than `auto` opts into every
     /// shader, the `vec4` expand included.
-    pub fn for_device(shrink: ShrinkKernel, device: &RuntimeDevice) -> Self {
+    pub(crate) fn for_device(shrink: ShrinkKernel, device: &RuntimeDevice) -> Self {
         Self {
             shrink: shrink.resolve(device),
             expand_vec4: device.class() != DeviceClass::HardwareGpu
@@ -138,7 +138,7 @@ impl LoraKernels {
 
 /// Host-side kernel metadata carried into the backend implementations.
 #[derive(Debug, Clone)]
-pub struct LoraPlan {
+pub(crate) struct LoraPlan {
     /// The rows' slots, sorted and tiled.
     pub meta: Arc<KernelMeta>,
     /// The shrink shader the WGSL implementation launches (resolved: never `Auto`, and by the
@@ -151,7 +151,7 @@ pub struct LoraPlan {
 
 /// The LoRA-apply op as a Burn backend extension.
 #[backend_extension(Cube, Flex, Fusion)]
-pub trait LoraBackend: burn::backend::Backend {
+pub(crate) trait LoraBackend: burn::backend::Backend {
     /// Returns `base` with `x · A[slot]ᵀ · B[slot]ᵀ` added to columns
     /// `out_offset .. out_offset + B.dims[1]` of every row whose slot is not −1.
     ///
@@ -211,12 +211,20 @@ impl LoraBatch {
     }
 
     /// Uploads `meta` to `device`, for the shrink kernel `shrink` picks there.
-    pub fn with_shrink(meta: KernelMeta, device: &RuntimeDevice, shrink: ShrinkKernel) -> Self {
+    pub(crate) fn with_shrink(
+        meta: KernelMeta,
+        device: &RuntimeDevice,
+        shrink: ShrinkKernel,
+    ) -> Self {
         Self::with_kernels(meta, device, LoraKernels::for_device(shrink, device))
     }
 
     /// Uploads `meta` to `device`, for `kernels`.
-    pub fn with_kernels(meta: KernelMeta, device: &RuntimeDevice, kernels: LoraKernels) -> Self {
+    pub(crate) fn with_kernels(
+        meta: KernelMeta,
+        device: &RuntimeDevice,
+        kernels: LoraKernels,
+    ) -> Self {
         Self::upload(meta, &device.device, kernels)
     }
 
@@ -375,8 +383,9 @@ pub fn lora_apply(
 /// the product ([`linear::takes`]), `slice` covers every output column at a rank that is a
 /// multiple of 4, and some row has an adapter. `None` where it does not fit: the caller computes
 /// the product and [`lora_apply`] apart. Inputs the op cannot honour are its typed errors, as
-/// [`lora_apply`]'s.
-pub fn linear_lora(
+/// [`lora_apply`]'s. The models reach it through [`fuse`] (the tests call it whole).
+#[cfg(test)]
+pub(crate) fn linear_lora(
     x: Tensor<2>,
     weight_t: &Tensor<2>,
     bias: &Tensor<1>,
@@ -393,7 +402,7 @@ pub fn linear_lora(
 /// [`linear_lora`]'s checks and what it launches, apart from the launch: `Ok(None)` where the
 /// op does not fit `shader`'s product, so that a caller can run the op fused or apart, both on
 /// the same checked inputs (`fusion.rs` times the two).
-pub fn fuse<'a>(
+pub(crate) fn fuse<'a>(
     x: &Tensor<2>,
     weight_t: &'a Tensor<2>,
     bias: &'a Tensor<1>,
@@ -429,7 +438,7 @@ pub fn fuse<'a>(
 /// A layer's product and LoRA op on checked inputs that fit one of our linear kernels' LoRA
 /// epilogues ([`fuse`]), to run fused or apart.
 #[derive(Debug)]
-pub struct FusedLinear<'a> {
+pub(crate) struct FusedLinear<'a> {
     /// `[in, out]`.
     weight_t: &'a Tensor<2>,
     /// `[out]`.
@@ -445,7 +454,7 @@ pub struct FusedLinear<'a> {
 impl FusedLinear<'_> {
     /// `x · Wᵀ + b` with each row's delta added by the shader's epilogue, after the shrink
     /// ([`LoraBackend::linear_lora`]); `x` is the input [`fuse`] checked.
-    pub fn run(&self, x: Tensor<2>) -> Tensor<2> {
+    pub(crate) fn run(&self, x: Tensor<2>) -> Tensor<2> {
         let batch = &self.batch;
         Tensor::from_dispatch(<Dispatch as LoraBackend>::linear_lora(
             x.into_dispatch(),
@@ -464,7 +473,7 @@ impl FusedLinear<'_> {
     /// The same sum with the op apart, as a layer runs it where it does not fuse: the
     /// shader's product without the epilogue, then the op ([`lora_apply`]'s shrink and expand)
     /// adding to it.
-    pub fn apart(&self, x: Tensor<2>) -> Tensor<2> {
+    pub(crate) fn apart(&self, x: Tensor<2>) -> Tensor<2> {
         let base = Tensor::from_dispatch(<Dispatch as LinearBackend>::linear_wgsl(
             x.clone().into_dispatch(),
             self.weight_t.clone().into_dispatch(),

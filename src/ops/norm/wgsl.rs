@@ -85,9 +85,9 @@ impl NormBackend for CubeBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::models::VisionTower;
     use crate::models::qwen2_vl::Qwen2VlVision;
     use crate::models::qwen2_vl::VisionConfig;
-    use crate::models::tower::VisionTower;
     use crate::ops::kernels::Kernels;
     use crate::ops::lora::LoraBatch;
     use crate::ops::norm::NormKernel;

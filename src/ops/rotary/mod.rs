@@ -96,7 +96,8 @@ pub fn packed_composed<B: RopeBackend>(
 }
 
 /// `x·cos + rotate_half(x)·sin` on the backend of `x`'s device (shapes as in
-/// [`RopeBackend::rotate`]).
+/// [`RopeBackend::rotate`]); the models rotate packed rows ([`rotate_packed`]).
+#[cfg(test)]
 pub fn rotate(x: Tensor<3>, cos: &Tensor<3>, sin: &Tensor<3>) -> Tensor<3> {
     Tensor::from_dispatch(<Dispatch as RopeBackend>::rotate(
         x.into_dispatch(),
