@@ -1,24 +1,37 @@
 //! mmlora: the vision tower and connector of a vision-language model with many LoRA adapters in
 //! one batch, on any GPU wgpu reaches and on the CPU.
 //!
-//! The modules are layers, each importing only from the ones below it (`tests/layers.rs` checks
-//! this, and that no modules form a cycle); ARCHITECTURE.md walks one batch through them:
-//! - `named`: the one way the user's named choices are declared (a macro), beneath everything;
-//!   [`vfs`]: the files loaders read, on disk or mounted from memory (a browser's files).
-//! - [`runtime`]: the device, the one WGSL launch path, Flex memory helpers, timing.
-//! - [`routing`]: which adapter each row belongs to ([`routing::mapping`], vLLM's
-//!   `set_active_mm_loras`) and the rows grouped by adapter slot ([`routing::meta`]).
-//! - [`preprocess`]: images to patches, as the model's image processor makes them.
-//! - [`ops`]: one folder per op (linear, LoRA, attention, norm, rotary, activation), each with
-//!   its backend extension, its fast paths and the composed reference beside them.
-//! - `nn`: the layers models are written in (`nn::LoraLinear`).
-//! - [`models`]: checkpoints and the vision towers built from those layers.
-//! - [`adapters`]: PEFT adapters, checked against a model and installed in its slots.
-//! - [`engine`]: requests in, embeddings out, one step at a time.
-//! - `bench` (feature `bench`, on with the default `cli`): the measurements of `mmlora bench`
-//!   and `benches/`; `bundled` (feature `bundled`, on with `cli`): the tiny Qwen2-VL model
-//!   compiled in, the default of every front end; `fuzzing` (feature `testkit`): the fuzz
-//!   targets' entry points, which the tests replay.
+//! Open an [`Engine`] on a model folder (a Hugging Face checkpoint) and a device, load PEFT
+//! adapter folders by name, and encode [`Request`]s: each names its image and the adapter it
+//! runs with (or none), and requests with different adapters share one forward pass.
+//!
+//! ```
+//! use std::path::Path;
+//! use mmlora::{Engine, EngineOptions, ImageSource, Request, device};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/tiny-qwen2-vl");
+//! let mut engine = Engine::open(&model, device::cpu(), EngineOptions::default())?;
+//! engine.load_adapter("all-r4", &model.join("adapters/all-r4"))?;
+//! let request = |id: &str, adapter: Option<&str>| Request {
+//!     id: id.into(),
+//!     image: ImageSource::File(model.join("images/square.png")),
+//!     adapter: adapter.map(Into::into),
+//! };
+//! let results = engine.encode(&[request("tuned", Some("all-r4")), request("base", None)], false)?;
+//! // One row of embeddings per merged patch, as wide as the language model's input.
+//! assert_eq!(results[0].embeds.shape, results[1].embeds.shape);
+//! assert_ne!(results[0].embeds.values, results[1].embeds.values);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The types a program needs are here at the root; the modules hold the rest: the mapping
+//! builder ([`routing`]), the models and the LoRA op for those who embed them ([`models`],
+//! [`ops`]), the image processor ([`preprocess`]). `bench` (feature `bench`, on with the default
+//! `cli`) holds the measurements of `mmlora bench`; `bundled` (feature `bundled`) the tiny
+//! Qwen2-VL model compiled in; `fuzzing` (feature `testkit`) the fuzz targets' entry points.
+//! ARCHITECTURE.md in the repository is the map of the modules and their layers.
 
 #![warn(missing_docs)]
 

@@ -51,9 +51,9 @@ pub struct BenchSpec {
     pub kernels: KernelPins,
 }
 
-/// The default image side on a software GPU (lavapipe): it runs the 2B tower about 6× slower
-/// than the CPU backend, so the default set runs at a quarter of the patches to finish within
-/// 20 minutes on 2 cores.
+/// The default image side on a software GPU (lavapipe): it runs the 2B tower several times
+/// slower than the CPU backend (BENCHMARKS.md), so the default set runs at a quarter of the
+/// patches.
 pub const SOFTWARE_GPU_SIDE: usize = 112;
 
 /// Rows at which `mmlora bench` times the LoRA op alone by default.

@@ -11,9 +11,8 @@
 //!
 //! Each is timed as one call between device syncs, and all but the naive path also back to back
 //! (`time_per_call`): [`BACK_TO_BACK_CALLS`] calls between two syncs, as a forward pass runs
-//! its layers. On a hardware GPU a sync costs more than a small linear (about 0.37 ms on the
-//! H200, against about 0.1 ms for 256 rows of `attn.qkv`), so only the back-to-back times say
-//! what the op adds to a linear at few rows.
+//! its layers. On a hardware GPU a sync can cost more than a small linear (BENCHMARKS.md, the
+//! H200's runs), so only the back-to-back times say what the op adds to a linear at few rows.
 
 use std::cell::Cell;
 use std::time::{Duration, Instant};

@@ -20,8 +20,10 @@ use crate::ops::attention::AttentionKernel;
 use crate::ops::linear::LinearChoice;
 use crate::ops::linear::{self, CoopTiling, LinearKernel};
 use crate::ops::lora::{LoraKernels, ShrinkKernel};
-use crate::ops::norm::NormKernel;
-use crate::ops::rotary::RotaryKernel;
+// The layer norm's and rotary's kernels are fields of `Kernels` (what a tower runs) while those
+// ops' modules are the crate's own: named here.
+pub use crate::ops::norm::NormKernel;
+pub use crate::ops::rotary::RotaryKernel;
 use crate::runtime::device::{DeviceClass, Precision, RuntimeDevice};
 
 /// The environment variable that pins kernels for every engine a process opens, as

@@ -12,8 +12,8 @@ use crate::runtime::flex::{dense, element, gemm_parallelism, strided, values};
 
 impl LinearBackend for Flex {
     /// f32: the output starts as rows of `bias` and `gemm` adds `x · weight_t` to it as it
-    /// stores its blocks, which saves the separate add's pass over the output (the 2B tower's
-    /// linears 1.01–1.07× faster: BENCHMARKS.md); other dtypes composed.
+    /// stores its blocks, which saves the separate add's pass over the output (measured on the 2B
+    /// tower's linears: BENCHMARKS.md); other dtypes composed.
     fn linear_native(
         x: FloatTensor<Self>,
         weight_t: FloatTensor<Self>,

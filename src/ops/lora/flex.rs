@@ -5,8 +5,8 @@
 //! run from `x` where it lies and expand adds into the run's rows of the output, so the op costs
 //! its arithmetic and one pass over the output columns it touches. The runs of a call, cut into
 //! pieces of an even share of the rows, go to the rayon threads side by side, a piece per core, as
-//! the thin rank-`r` products gain less from `gemm`'s own splitting (the op 1.2–2.1× faster on 2
-//! cores: BENCHMARKS.md). Rows in runs shorter than [`MIN_RUN`] (rows of many requests
+//! the thin rank-`r` products gain less from `gemm`'s own splitting (measured on 2 cores:
+//! BENCHMARKS.md). Rows in runs shorter than [`MIN_RUN`] (rows of many requests
 //! interleaved) are gathered per slot first, so a scattered mix costs a few larger calls instead
 //! of one tiny call per row.
 //!

@@ -10,14 +10,14 @@
 //! Shrink has two shaders, picked by the batch's [`ShrinkKernel`]: `lora_shrink.wgsl` (64
 //! threads per tile, or 256 for `wide`; for hardware GPUs) and `lora_shrink_registers.wgsl` (8
 //! threads per tile, every sum in a variable of its own; for llvmpipe, where it makes the op
-//! 1.1–2.6× faster at ranks 4–64: BENCHMARKS.md). `wide` also gives the aligned expand 256
+//! faster at every rank measured: BENCHMARKS.md). `wide` also gives the aligned expand 256
 //! threads per tile, four per column group, each adding to four of the tile's rows.
 //!
 //! Each kernel exists for `f32` and `f16` tensors ([`Elem`]); sums and the scratch stay `f32`.
 //! Each also has a `vec4` form that reads and writes four elements per access, taken where the
 //! widths it indexes are multiples of 4 (every Qwen2-VL layer, and ranks 4, 8, 16, …): shrink as
-//! a specialisation of its one shader, expand as a shader of its own. On lavapipe that makes the
-//! op 2.5× faster, as each load there is a loop over the SIMD lanes.
+//! a specialisation of its one shader, expand as a shader of its own. On lavapipe that pays most,
+//! as each load there is a loop over the SIMD lanes (BENCHMARKS.md).
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::wgpu::{CubeBackend, CubeTensor, KernelSource, SourceTemplate};
