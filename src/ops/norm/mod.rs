@@ -24,9 +24,9 @@ use crate::runtime::device::{DeviceClass, RuntimeDevice};
 /// Which implementation runs a layer norm on the wgpu backend (the CPU backend has one).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum NormKernel {
-    /// [`NormBackend::layer_norm_f32`]: `shaders/norm/layer_norm.wgsl`, for hardware GPUs.
+    /// `NormBackend::layer_norm_f32`: `shaders/norm/layer_norm.wgsl`, for hardware GPUs.
     Fused,
-    /// Burn's ops ([`composed`]): for software GPUs, where the kernel's workgroup barriers cost
+    /// Burn's ops (`composed`): for software GPUs, where the kernel's workgroup barriers cost
     /// more than the passes they save (measured on lavapipe: BENCHMARKS.md).
     #[default]
     Composed,
@@ -34,7 +34,7 @@ pub enum NormKernel {
 
 impl NormKernel {
     /// The implementation for `device`: the kernel on a hardware GPU once it has passed its
-    /// tests on one ([`crate::ops::hardware`]), else Burn's ops.
+    /// tests on one (`ops/hardware.rs`), else Burn's ops.
     pub fn for_device(device: &RuntimeDevice) -> Self {
         if device.class() == DeviceClass::HardwareGpu
             && hardware::elem_shader_checked("norm", wgsl::SHADER)

@@ -109,18 +109,18 @@ pub fn rotate(x: Tensor<3>, cos: &Tensor<3>, sin: &Tensor<3>) -> Tensor<3> {
 /// How rotary runs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum RotaryKernel {
-    /// The backend's own ([`RopeBackend::rotate_packed`]): one pass on Flex, one WGSL kernel
+    /// The backend's own (`RopeBackend::rotate_packed`): one pass on Flex, one WGSL kernel
     /// (`shaders/rotary/rotary.wgsl`) on the wgpu backend.
     #[default]
     Fused,
-    /// Burn's ops ([`packed_composed`]): on hardware GPUs until the kernel has passed its tests
+    /// Burn's ops (`packed_composed`): on hardware GPUs until the kernel has passed its tests
     /// on one.
     Composed,
 }
 
 impl RotaryKernel {
     /// The implementation for `device`: the backend's own, but on a hardware GPU the kernel
-    /// only once it has passed its tests on one ([`crate::ops::hardware`]).
+    /// only once it has passed its tests on one (`ops/hardware.rs`).
     pub fn for_device(device: &RuntimeDevice) -> Self {
         if device.class() == DeviceClass::HardwareGpu
             && !hardware::elem_shader_checked("rotary", wgsl::SHADER)
