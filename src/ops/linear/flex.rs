@@ -7,7 +7,7 @@ use burn::tensor::{DType, TensorData};
 use burn_flex::FlexTensor;
 use rayon::prelude::*;
 
-use super::*;
+use super::{LinearBackend, composed};
 use crate::runtime::flex::{dense, element, gemm_parallelism, strided, values};
 
 impl LinearBackend for Flex {

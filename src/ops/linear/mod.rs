@@ -45,7 +45,6 @@ mod wgsl;
 pub use choice::LinearChoice;
 pub(crate) use choice::reference as timed_reference;
 pub(crate) use shader::*;
-use source::*;
 pub(crate) use wgsl::{LoraEpilogue, cube_source, launch_linear};
 
 use burn::backend::TensorMetadata;

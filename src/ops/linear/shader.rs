@@ -5,7 +5,9 @@
 use burn::backend::wgpu::KernelSource;
 use burn::tensor::wgpu::WgpuSetup;
 
-use super::*;
+use super::source::files;
+#[cfg(test)]
+use super::{source::LinearSource, tests};
 use crate::ops::hardware;
 use crate::runtime::device::RuntimeDevice;
 use crate::runtime::wgsl::Elem;
@@ -241,8 +243,8 @@ impl LinearShader {
     /// Whether the shader can add each row's LoRA delta as it stores its product
     /// (`shaders/linear/linear_lora.wgsl`; `ops::lora::linear_lora`): all but `linear.wgsl`. Its
     /// epilogue would load each row's `B` anew for every `vec4` it stores, and on llvmpipe,
-    /// which it is built for, each load is a loop over the SIMD lanes: fused there, the op
-    /// added 12.8 % to the 2B `attn.qkv` at 256 rows, against 2.1 % apart (BENCHMARKS.md).
+    /// which it is built for, each load is a loop over the SIMD lanes: fused there, the op costs
+    /// several times what it costs apart (BENCHMARKS.md).
     pub fn has_lora_epilogue(self) -> bool {
         !matches!(self, LinearShader::Registers)
     }

@@ -4,7 +4,12 @@
 use burn::backend::wgpu::{KernelSource, SourceTemplate};
 use burn_cubecl::cubecl::prelude::KernelId;
 
-use super::*;
+use super::shader::{
+    COLUMNS, COOP_COLUMNS, COOP_DEPTH, COOP_PAD, COOP_ROWS, CoopLayout, CoopTiling, LinearShader,
+    MATRIX, ROWS, TILED_COLUMNS4, TILED_DEPTH, TILED_ROWS, TILED_WORKGROUP, WORKGROUP,
+};
+#[cfg(test)]
+use super::tests;
 use crate::runtime::wgsl::{self, Elem};
 
 /// One of our linear shaders for one element type and subgroup size (read by `Coop` alone),

@@ -7,7 +7,9 @@ use burn_cubecl::cubecl::ir::attributes::BufferIOAttr;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
-use super::*;
+use super::shader::{Capacity, LinearShader};
+use super::source::LinearSource;
+use super::{LinearBackend, kernel_elem};
 use crate::runtime::wgsl;
 
 impl LinearBackend for CubeBackend {
