@@ -10,85 +10,25 @@
 //! (PiSSA and the like, unless converted), unknown modules, shapes that do not fit and ranks
 //! above `max_rank` are refused with the adapter and key named.
 
+mod config;
+mod error;
 mod install;
 mod patterns;
 pub(crate) mod registry;
 
+pub use config::{AdapterConfig, TargetModules};
+pub use error::AdapterError;
+use error::{format_error, io_error};
 pub use install::install;
 use patterns::{Pattern, TargetFilter};
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
-use indexmap::IndexMap;
 use safetensors::SafeTensors;
-use serde::Deserialize;
 
 use crate::models::LoraTarget;
 use crate::models::checkpoint::{float_values, safetensors_failure};
-
-/// `target_modules`: a list of module-name suffixes or one regex.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(untagged)]
-pub enum TargetModules {
-    /// Suffixes such as `qkv` or `mlp.0`.
-    List(Vec<String>),
-    /// A regex (Python's syntax, look-around included) matched against whole module names.
-    Regex(String),
-}
-
-/// The fields of `adapter_config.json` mmlora reads.
-#[derive(Debug, Clone, Deserialize)]
-pub struct AdapterConfig {
-    /// Default rank.
-    pub r: usize,
-    /// Default alpha.
-    pub lora_alpha: f64,
-    /// Scale by `alpha/√r` instead of `alpha/r`.
-    #[serde(default)]
-    pub use_rslora: bool,
-    /// Which modules the adapter targets.
-    pub target_modules: Option<TargetModules>,
-    /// Per-module rank overrides (keys are regex suffixes of module names), in the file's
-    /// order: as in PEFT, the first key that matches a module wins.
-    #[serde(default)]
-    pub rank_pattern: IndexMap<String, usize>,
-    /// Per-module alpha overrides, in the file's order like `rank_pattern`.
-    #[serde(default)]
-    pub alpha_pattern: IndexMap<String, f64>,
-    /// DoRA (refused).
-    #[serde(default)]
-    pub use_dora: bool,
-    /// Which weight parameters the adapter targets (PEFT's `target_parameters`): on a linear
-    /// layer's `weight`, the same LoRA as targeting the layer.
-    #[serde(default)]
-    pub target_parameters: Option<Vec<String>>,
-    /// Fully trained modules: served where they are outside the vision tower (saved whole, the
-    /// tower's are refused by key).
-    #[serde(default)]
-    pub modules_to_save: Option<Vec<String>>,
-    /// Bias training (`none` only).
-    #[serde(default)]
-    pub bias: Option<String>,
-    /// How PEFT initialises the adapter: `true`, `false` or a method's name (those that
-    /// rewrite the base weights are refused).
-    #[serde(default)]
-    pub init_lora_weights: Option<serde_json::Value>,
-    /// Variants whose forward is not `x·Aᵀ·Bᵀ·scale` on every row (refused): activated LoRA
-    /// (`alora_invocation_tokens`), block-diagonal LoRA (`use_bdlora`), KaSA (`kasa_config`),
-    /// Arrow (`arrow_config`).
-    #[serde(default)]
-    pub alora_invocation_tokens: Option<serde_json::Value>,
-    /// See `alora_invocation_tokens`.
-    #[serde(default)]
-    pub use_bdlora: Option<serde_json::Value>,
-    /// See `alora_invocation_tokens`.
-    #[serde(default)]
-    pub kasa_config: Option<serde_json::Value>,
-    /// Arrow's routing of each row over several adapters (refused, as the variants above).
-    #[serde(default)]
-    pub arrow_config: Option<serde_json::Value>,
-}
 
 /// One module's LoRA with the scale folded into B.
 #[derive(Debug, Clone, PartialEq)]
@@ -117,53 +57,6 @@ pub struct PeftAdapter {
     pub config: AdapterConfig,
     /// LoRA per target path (`blocks.0.attn.qkv`, `merger.mlp.0`, …).
     pub modules: BTreeMap<String, ModuleLora>,
-}
-
-/// Why an adapter cannot be used.
-#[derive(Debug, thiserror::Error)]
-pub enum AdapterError {
-    /// A file could not be read.
-    #[error("adapter `{adapter}`: cannot read {path}: {source}")]
-    Io {
-        /// The adapter.
-        adapter: String,
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// A file is malformed.
-    #[error("adapter `{adapter}`: {path} is malformed: {reason}")]
-    Format {
-        /// The adapter.
-        adapter: String,
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        reason: String,
-    },
-    /// The adapter asks for something mmlora does not run.
-    #[error("adapter `{adapter}`: {path}: {reason}")]
-    Unsupported {
-        /// The adapter.
-        adapter: String,
-        /// The file that asks for it.
-        path: PathBuf,
-        /// What and where.
-        reason: String,
-    },
-    /// A key does not fit the model.
-    #[error("adapter `{adapter}`: {path}, key `{key}`: {reason}")]
-    Incompatible {
-        /// The adapter.
-        adapter: String,
-        /// The file holding the key.
-        path: PathBuf,
-        /// The key.
-        key: String,
-        /// Why.
-        reason: String,
-    },
 }
 
 impl PeftAdapter {
@@ -436,158 +329,6 @@ impl PeftAdapter {
             }
         }
         Ok(())
-    }
-}
-
-impl AdapterConfig {
-    /// The factor folded into B for a module of `rank` and `alpha`: `alpha/r`, or `alpha/√r`
-    /// with rsLoRA.
-    pub fn scale(&self, rank: usize, alpha: f64) -> f64 {
-        if self.use_rslora {
-            alpha / (rank as f64).sqrt()
-        } else {
-            alpha / rank as f64
-        }
-    }
-
-    /// Reads `dir/adapter_config.json` and refuses what per-row LoRA cannot serve.
-    pub fn read(name: &str, dir: &Path) -> Result<Self, AdapterError> {
-        let path = dir.join("adapter_config.json");
-        let text = crate::vfs::read_to_string(&path).map_err(io_error(name, &path))?;
-        Self::parse(name, &path, &text)
-    }
-
-    /// Parses the text of adapter `name`'s `adapter_config.json` (read from `path`) and refuses
-    /// what per-row LoRA cannot serve.
-    pub fn parse(name: &str, path: &Path, text: &str) -> Result<Self, AdapterError> {
-        let unsupported = |reason| AdapterError::Unsupported {
-            adapter: name.to_owned(),
-            path: path.to_owned(),
-            reason,
-        };
-        // The type first: another PEFT method's config lacks LoRA's fields.
-        #[derive(Deserialize)]
-        struct Kind {
-            peft_type: Option<String>,
-        }
-        if let Ok(Kind {
-            peft_type: Some(kind),
-        }) = serde_json::from_str(text)
-            && kind != "LORA"
-        {
-            return Err(unsupported(format!(
-                "peft_type {kind} is not LORA, the only PEFT method mmlora runs"
-            )));
-        }
-        let config: Self =
-            serde_json::from_str(text).map_err(|e| format_error(name, path, e.to_string()))?;
-        match config.problem() {
-            Some(reason) => Err(unsupported(reason)),
-            None => Ok(config),
-        }
-    }
-
-    /// What in this configuration mmlora refuses, if anything.
-    fn problem(&self) -> Option<String> {
-        if self.use_dora {
-            return Some("DoRA (use_dora) is not supported".to_owned());
-        }
-        // Set as Python's truth test takes it: not None, False, 0, "", [] or {}.
-        let set = |value: &Option<serde_json::Value>| match value {
-            None | Some(serde_json::Value::Null) => false,
-            Some(serde_json::Value::Bool(on)) => *on,
-            Some(serde_json::Value::Number(n)) => n.as_f64() != Some(0.0),
-            Some(serde_json::Value::String(s)) => !s.is_empty(),
-            Some(serde_json::Value::Array(a)) => !a.is_empty(),
-            Some(serde_json::Value::Object(o)) => !o.is_empty(),
-        };
-        let variants = [
-            (
-                "alora_invocation_tokens",
-                &self.alora_invocation_tokens,
-                "activated LoRA acts only after its invocation tokens in the text, which the \
-                 vision tower never sees",
-            ),
-            (
-                "use_bdlora",
-                &self.use_bdlora,
-                "block-diagonal LoRA (BD-LoRA) is not supported",
-            ),
-            (
-                "kasa_config",
-                &self.kasa_config,
-                "KaSA truncates the base weights, which adapters sharing one base cannot do",
-            ),
-            (
-                "arrow_config",
-                &self.arrow_config,
-                "Arrow routes each row over several adapters, which one slot per row cannot do",
-            ),
-        ];
-        if let Some((key, _, why)) = variants.iter().find(|(_, value, _)| set(value)) {
-            return Some(format!("{key}: {why}"));
-        }
-        if let Some(bias) = self.bias.as_deref().filter(|b| *b != "none") {
-            return Some(format!("bias = {bias} (trained biases) is not supported"));
-        }
-        if let Some(init) = self
-            .init_lora_weights
-            .as_ref()
-            .and_then(|init| init.as_str())
-            .filter(|init| rewrites_base_weights(init))
-        {
-            return Some(format!(
-                "init_lora_weights = {init}: PEFT rewrites the base weights when it loads such an \
-                 adapter, which adapters sharing one base cannot do; convert it to a plain LoRA \
-                 (PEFT's save_pretrained with path_initial_model_for_weight_conversion)"
-            ));
-        }
-        if self.r == 0 {
-            return Some("r is 0".to_owned());
-        }
-        if let Some(key) = self
-            .rank_pattern
-            .iter()
-            .find_map(|(k, &r)| (r == 0).then_some(k))
-        {
-            return Some(format!("rank_pattern gives `{key}` rank 0"));
-        }
-        let alphas = std::iter::once(("lora_alpha", &self.lora_alpha))
-            .chain(self.alpha_pattern.iter().map(|(k, a)| (k.as_str(), a)));
-        for (key, &alpha) in alphas {
-            if !alpha.is_finite() || alpha == 0.0 {
-                return Some(format!(
-                    "alpha {alpha} for `{key}` would make the adapter do nothing or overflow"
-                ));
-            }
-        }
-        None
-    }
-}
-
-/// Whether PEFT, loading an adapter initialised by `init`, rewrites the base layer's weights
-/// (PiSSA, CorDA, OLoRA and LoRA-GA subtract the initial product; LoftQ quantises).
-fn rewrites_base_weights(init: &str) -> bool {
-    let init = init.to_ascii_lowercase();
-    ["pissa", "corda"].iter().any(|m| init.starts_with(m))
-        || ["olora", "loftq", "lora_ga"].contains(&init.as_str())
-}
-
-/// The error for an unreadable file of adapter `name`.
-fn io_error<'a>(name: &'a str, path: &'a Path) -> impl FnOnce(std::io::Error) -> AdapterError + 'a {
-    move |source| AdapterError::Io {
-        adapter: name.to_owned(),
-        path: path.to_owned(),
-        source,
-    }
-}
-
-/// The error for a malformed file of adapter `name`.
-fn format_error(name: &str, path: &Path, reason: String) -> AdapterError {
-    AdapterError::Format {
-        adapter: name.to_owned(),
-        path: path.to_owned(),
-        reason,
     }
 }
 

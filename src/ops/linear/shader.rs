@@ -1,14 +1,10 @@
 //! Our linear kernels, their block shapes, and which of them a device runs: its workgroup and
 //! subgroup limits, and for the coop kernels its cooperative matrices.
 
-#[cfg(test)]
-use burn::backend::wgpu::KernelSource;
 use burn::tensor::wgpu::WgpuSetup;
 
-use super::source::files;
 #[cfg(test)]
-use super::{source::LinearSource, tests};
-use crate::ops::hardware;
+use super::tests;
 use crate::runtime::device::RuntimeDevice;
 use crate::runtime::wgsl::Elem;
 
@@ -219,25 +215,6 @@ impl LinearShader {
             #[cfg(test)]
             LinearShader::CoopEmulated(_) => (COOP_ROWS, COOP_COLUMNS / 4),
         }
-    }
-
-    /// Whether every file this shader's base product is made of passed its tests on a
-    /// hardware GPU as it is now (`ops/hardware.rs`): what `auto` may take there.
-    pub fn hardware_checked(self) -> bool {
-        files(self)
-            .iter()
-            .all(|(path, text)| hardware::checked(path, text))
-    }
-
-    /// The WGSL source for `elem` on a device whose subgroups have `subgroup` invocations
-    /// (read by `Coop` alone), with the LoRA epilogue where `lora` says; `None` where the
-    /// shader is not written for them (`Coop`: f16 alone, at the subgroup sizes its tiling lays
-    /// out).
-    #[cfg(test)]
-    pub fn render(self, elem: Elem, subgroup: u32, lora: bool) -> Option<String> {
-        LinearSource::new(self, elem, subgroup)
-            .filter(|_| !lora || self.has_lora_epilogue())
-            .map(|source| LinearSource { lora, ..source }.source().complete())
     }
 
     /// Whether the shader can add each row's LoRA delta as it stores its product

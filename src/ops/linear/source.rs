@@ -10,6 +10,7 @@ use super::shader::{
 };
 #[cfg(test)]
 use super::tests;
+use crate::ops::hardware;
 use crate::runtime::wgsl::{self, Elem};
 
 /// One of our linear shaders for one element type and subgroup size (read by `Coop` alone),
@@ -70,6 +71,29 @@ pub(crate) fn files(shader: LinearShader) -> &'static [(&'static str, &'static s
         ],
         #[cfg(test)]
         LinearShader::CoopEmulated(tiling) => files(LinearShader::Coop(tiling)),
+    }
+}
+
+/// What a shader is made of, in files: which of them passed on hardware, and (for the tests)
+/// the source it renders to.
+impl LinearShader {
+    /// Whether every file this shader's base product is made of passed its tests on a
+    /// hardware GPU as it is now (`ops/hardware.rs`): what `auto` may take there.
+    pub fn hardware_checked(self) -> bool {
+        files(self)
+            .iter()
+            .all(|(path, text)| hardware::checked(path, text))
+    }
+
+    /// The WGSL source for `elem` on a device whose subgroups have `subgroup` invocations
+    /// (read by `Coop` alone), with the LoRA epilogue where `lora` says; `None` where the
+    /// shader is not written for them (`Coop`: f16 alone, at the subgroup sizes its tiling lays
+    /// out).
+    #[cfg(test)]
+    pub fn render(self, elem: Elem, subgroup: u32, lora: bool) -> Option<String> {
+        LinearSource::new(self, elem, subgroup)
+            .filter(|_| !lora || self.has_lora_epilogue())
+            .map(|source| LinearSource { lora, ..source }.source().complete())
     }
 }
 
