@@ -179,10 +179,24 @@ fn png(dir: &Path, name: &str, width: u32, height: u32) -> PathBuf {
     path
 }
 
+/// Every case, by what it breaks.
 fn cases() -> Vec<Case> {
+    [
+        model_cases(),
+        adapter_cases(),
+        image_cases(),
+        batch_cases(),
+        family_cases(),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
+/// Model folders.
+fn model_cases() -> Vec<Case> {
     use Target::*;
     vec![
-        // Model folders.
         case("no config.json", Model, &["config.json"], |d| {
             model(d, |m| std::fs::remove_file(m.join("config.json")).unwrap())
         }),
@@ -471,7 +485,13 @@ fn cases() -> Vec<Case> {
             &["preprocessor_config.json", "patch_size", "is 0"],
             |d| processor_setting(d, "patch_size", 0.into()),
         ),
-        // Adapter folders.
+    ]
+}
+
+/// Adapter folders.
+fn adapter_cases() -> Vec<Case> {
+    use Target::*;
+    vec![
         case(
             "no adapter_config.json",
             Adapter,
@@ -754,7 +774,13 @@ fn cases() -> Vec<Case> {
                 })
             },
         ),
-        // Images.
+    ]
+}
+
+/// Images.
+fn image_cases() -> Vec<Case> {
+    use Target::*;
+    vec![
         case("empty file", Image, &["empty.png"], |d| {
             file(d, "empty.png", b"")
         }),
@@ -803,7 +829,13 @@ fn cases() -> Vec<Case> {
             &["absent.png", "No such file"],
             |d| d.join("absent.png"),
         ),
-        // Batch files.
+    ]
+}
+
+/// Batch files.
+fn batch_cases() -> Vec<Case> {
+    use Target::*;
+    vec![
         case("batch not JSON", Batch, &["batch.json", "EOF"], |d| {
             batch(d, r#"{"requests": [{"id": "a""#)
         }),
@@ -856,7 +888,13 @@ fn cases() -> Vec<Case> {
             &["absent.json", "No such file"],
             |d| d.join("absent.json"),
         ),
-        // The other families' folders: what their configs and checkpoints must hold.
+    ]
+}
+
+/// The other families' folders: what their configs and checkpoints must hold.
+fn family_cases() -> Vec<Case> {
+    use Target::*;
+    vec![
         case(
             "Qwen3-VL position table not square",
             Model,
