@@ -2,8 +2,13 @@
 with different adapters gathered into one engine step.
 
     POST /encode                      body: an image file (PNG, JPEG, WebP) as uploaded bytes,
-                                      or JSON {"url": "file:///path/to/image.png"}
+                                      or JSON {"url": "file:///path/to/image.png"} for a file
+                                      inside the deployment's allowed_media_root
     header serve_multiplexed_model_id: the adapter's name (leave it out for the base model)
+
+`file://` URLs are refused (403) unless the deployment names `allowed_media_root`, and then
+served only for files that resolve inside it: every other path gets the same 403 reply,
+whether or not it exists, so that the endpoint tells a client nothing about the server's files.
 
 The reply is JSON: the embeddings as base64 of little-endian float32 (exact bits, and a plain
 HTTP client reads it without a safetensors parser), their shape, and how many requests (and
@@ -33,6 +38,16 @@ import mmlora
 #: The adapters of `mmlora.Engine()`'s bundled model; a deployment on a model folder names its own.
 BUNDLED_ADAPTERS = ["all-r4", "patterns", "rslora-r8", "tower-r2"]
 
+#: The reply to a `file://` URL when the deployment serves no local files.
+NO_LOCAL_FILES = (
+    "file:// URLs are refused: this deployment serves no local files. Upload the image as the "
+    "request's body, or deploy with allowed_media_root=<folder> to serve the files inside it"
+)
+#: The reply to a `file://` URL outside the allowed folder, or naming no file: one text for both.
+OUTSIDE_MEDIA_ROOT = (
+    "file:// URLs are served only for files inside the deployment's allowed_media_root"
+)
+
 
 class BadRequest(Exception):
     """The HTTP request cannot be served: replied with this status and message."""
@@ -56,6 +71,8 @@ class Encoder:
             ``RAYON_NUM_THREADS`` in its ``runtime_env``).
         max_batch_size, batch_wait_timeout_s: how many requests one step may gather, and how
             long the first waits for others.
+        allowed_media_root: the folder whose files `file://` URLs may name (on every node a
+            replica may run on); ``None`` (the default) refuses every `file://` URL.
     """
 
     def __init__(
@@ -66,8 +83,12 @@ class Encoder:
         max_loras: int = 8,
         max_batch_size: int = 32,
         batch_wait_timeout_s: float = 0.01,
+        allowed_media_root: str | None = None,
     ):
-        self.engine = mmlora.Engine(model_dir, device=device, max_loras=max_loras)
+        self.local_files = allowed_media_root is not None
+        self.engine = mmlora.Engine(
+            model_dir, device=device, max_loras=max_loras, allowed_media_root=allowed_media_root
+        )
         if adapters is None:
             if self.engine.bundled_dir is None:
                 raise ValueError("name the adapters of a model folder")
@@ -120,7 +141,7 @@ class Encoder:
             adapter = serve.get_multiplexed_model_id() or None
             if adapter is not None:
                 await self.adapter(adapter)
-            image = await read_image(http)
+            image = await read_image(http, self.local_files)
             # Serve's batcher splits a batch by the requests' multiplexed model ids, one model
             # per batch; the engine mixes adapters in one step. So the request joins the batch
             # from an empty context, where it carries no model id (its adapter goes with it).
@@ -132,6 +153,8 @@ class Encoder:
                 raise result
         except BadRequest as error:
             return JSONResponse({"error": str(error)}, status_code=error.status)
+        except mmlora.ForbiddenPathError:
+            return JSONResponse({"error": OUTSIDE_MEDIA_ROOT}, status_code=403)
         except mmlora.MissingFileError as error:
             return JSONResponse({"error": str(error)}, status_code=404)
         except mmlora.Error as error:
@@ -139,8 +162,9 @@ class Encoder:
         return JSONResponse(result)
 
 
-async def read_image(http: Request) -> bytes | str:
-    """The request's image: the uploaded bytes, or the path of a `file://` URL."""
+async def read_image(http: Request, local_files: bool) -> bytes | str:
+    """The request's image: the uploaded bytes, or the path of a `file://` URL (percent-encoding
+    decoded; the engine then checks that it resolves inside the allowed folder)."""
     body = await http.body()
     if not http.headers.get("content-type", "").startswith("application/json"):
         if not body:
@@ -153,6 +177,8 @@ async def read_image(http: Request) -> bytes | str:
     parsed = urlparse(str(url))
     if parsed.scheme != "file" or parsed.netloc not in ("", "localhost"):
         raise BadRequest(400, f"`{url}`: only file:// URLs of this machine are fetched")
+    if not local_files:
+        raise BadRequest(403, NO_LOCAL_FILES)
     return unquote(parsed.path)
 
 

@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+#: The Serve application's name.
+APP = "mmlora"
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,23 @@ def jobs(images: list[Path], adapters: list[str | None], count: int) -> list[Job
 def send(url: str, job: Job, timeout: float) -> tuple[int, dict, float]:
     """The HTTP status, the decoded reply and the request's latency in seconds."""
     if job.upload:
-        body, kind = job.image.read_bytes(), "application/octet-stream"
-    else:
-        body, kind = json.dumps({"url": job.image.as_uri()}).encode(), "application/json"
+        return post(url, job.image.read_bytes(), "application/octet-stream", job.adapter, timeout)
+    return send_url(url, job.image.as_uri(), job.adapter, timeout)
+
+
+def send_url(
+    url: str, file_url: str, adapter: str | None = None, timeout: float = 60.0
+) -> tuple[int, dict, float]:
+    """:func:`send` for a `file://` URL spelled as given (`..`, percent-encoding and all)."""
+    return post(url, json.dumps({"url": file_url}).encode(), "application/json", adapter, timeout)
+
+
+def post(
+    url: str, body: bytes, kind: str, adapter: str | None, timeout: float
+) -> tuple[int, dict, float]:
     headers = {"content-type": kind}
-    if job.adapter is not None:
-        headers["serve_multiplexed_model_id"] = job.adapter
+    if adapter is not None:
+        headers["serve_multiplexed_model_id"] = adapter
     started = time.perf_counter()
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
@@ -138,8 +151,19 @@ def start(replicas: int, cpus_per_replica: int, port: int, **options) -> str:
         log_to_driver=False,
     )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(app.deployment(replicas, cpus_per_replica, **options), route_prefix="/encode")
+    serve.run(app.deployment(replicas, cpus_per_replica, **options), name=APP, route_prefix="/encode")
     return f"http://127.0.0.1:{port}/encode"
+
+
+def redeploy(replicas: int = 1, cpus_per_replica: int = 1, **options) -> None:
+    """The application of :func:`start` deleted and deployed again with `options`, at the same
+    URL (deleted first: the new replicas need the cores the old ones hold)."""
+    from ray import serve
+
+    import app
+
+    serve.delete(APP)
+    serve.run(app.deployment(replicas, cpus_per_replica, **options), name=APP, route_prefix="/encode")
 
 
 def stop() -> None:
@@ -195,6 +219,8 @@ def main() -> None:
         adapters={name: str(folder) for name, folder in folders.items()},
         model_dir=str(model),
         max_batch_size=args.max_batch_size,
+        # Half the requests name their image by a file:// URL: the images' folder is allowed.
+        allowed_media_root=str(model / "images"),
     )
     try:
         burst(url, work[: 2 * args.concurrency], args.concurrency)  # warm-up: adapters loaded

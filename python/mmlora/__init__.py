@@ -96,6 +96,11 @@ class Engine:
             ``max_loras``); the others are read back from their folders when needed.
         image_backend: whose image processor to reproduce bit for bit: ``"torchvision"``
             (transformers 5's default) or ``"pil"``.
+        allowed_media_root: for a server that takes image paths from others: a folder that
+            every request's image path must resolve into (symbolic links and ``..`` followed),
+            else the request raises :class:`ForbiddenPathError`, the same for a path outside
+            and a path that does not exist. ``None`` (the default) reads any path the process
+            can, as a local user's own script should.
     """
 
     def __init__(
@@ -108,7 +113,9 @@ class Engine:
         max_rank: int = 64,
         max_cpu_adapters: int | None = None,
         image_backend: Literal["torchvision", "pil"] = "torchvision",
+        allowed_media_root: str | os.PathLike[str] | None = None,
     ) -> None:
+        self._media_root = None if allowed_media_root is None else _media_root(allowed_media_root)
         self._native = _native.Engine(
             None if model_dir is None else os.fspath(model_dir),
             device,
@@ -166,7 +173,10 @@ class Engine:
         """
         if isinstance(requests, (Mapping, Request)):
             raise TypeError("encode takes a list of requests; wrap the one request in a list")
-        native = [_native_request(index, request) for index, request in enumerate(requests)]
+        native = [
+            _native_request(index, request, self._media_root)
+            for index, request in enumerate(requests)
+        ]
         return [Encoded(*result) for result in self._native.encode(native, bool(with_tower))]
 
     async def encode_async(
@@ -180,9 +190,11 @@ class Engine:
         )
 
 
-def _native_request(index: int, request: Request | Mapping[str, Any]) -> tuple:
-    """``(id, image, adapter)`` with the image a path string, bytes or an ``HxWx3`` ``uint8``
-    array."""
+def _native_request(
+    index: int, request: Request | Mapping[str, Any], media_root: Path | None
+) -> tuple:
+    """``(id, image, adapter)`` with the image a path string (inside ``media_root`` where there
+    is one), bytes or an ``HxWx3`` ``uint8`` array."""
     if isinstance(request, Request):
         id, image, adapter = request.id, request.image, request.adapter
     elif isinstance(request, Mapping):
@@ -203,12 +215,12 @@ def _native_request(index: int, request: Request | Mapping[str, Any]) -> tuple:
     id = _text(f"request {index}'s id", id)
     if adapter is not None:
         adapter = _text(f"request `{id}`'s adapter", adapter)
-    return id, _native_image(id, image), adapter
+    return id, _native_image(id, image, media_root), adapter
 
 
-def _native_image(id: str, image: Any) -> str | bytes | np.ndarray:
+def _native_image(id: str, image: Any, media_root: Path | None) -> str | bytes | np.ndarray:
     if isinstance(image, (str, os.PathLike)):
-        return os.fspath(image)
+        return os.fspath(image) if media_root is None else _inside(id, image, media_root)
     if isinstance(image, (bytes, bytearray, memoryview)):
         return bytes(image)
     if isinstance(image, np.ndarray):
@@ -227,6 +239,32 @@ def _native_image(id: str, image: Any) -> str | bytes | np.ndarray:
         f"request `{id}`: the image is a {type(image).__name__}; "
         "expected a path, an image file's bytes, a PIL image or an HxWx3 uint8 numpy array"
     )
+
+
+def _media_root(folder: str | os.PathLike[str]) -> Path:
+    """The folder image paths must resolve into, itself resolved (links followed)."""
+    try:
+        root = Path(os.path.realpath(os.fspath(folder), strict=True))
+    except OSError as error:
+        raise OptionsError(f"allowed_media_root `{os.fspath(folder)}`: {error.strerror}") from None
+    if not root.is_dir():
+        raise OptionsError(f"allowed_media_root `{root}` is not a folder")
+    return root
+
+
+def _inside(id: str, image: str | os.PathLike[str], root: Path) -> str:
+    """The resolved path of ``image`` where it exists inside ``root``: every symbolic link and
+    ``..`` followed first, so that no spelling of a path leads out. What the engine then opens is
+    that resolved path, not the one given."""
+    try:
+        path = Path(os.path.realpath(os.fspath(image), strict=True))
+    except (OSError, ValueError):
+        path = None
+    if path is None or not path.is_relative_to(root):
+        raise ForbiddenPathError(
+            f"request `{id}`: the image is not a file inside the allowed media folder"
+        )
+    return str(path)
 
 
 def _rgb(pil: Any, image: PIL.Image.Image) -> PIL.Image.Image:

@@ -18,6 +18,7 @@ __all__ = [
     "ImageError",
     "NumericError",
     "DeviceError",
+    "ForbiddenPathError",
 ]
 
 
@@ -63,3 +64,8 @@ class NumericError(Error, ArithmeticError):
 
 class DeviceError(Error, RuntimeError):
     """The device is missing, failed a step, or was lost."""
+
+
+class ForbiddenPathError(Error, PermissionError):
+    """A request's image path is not inside the engine's ``allowed_media_root``, or does not
+    exist: the message is the same either way, so that it tells nothing about files outside."""
