@@ -38,7 +38,6 @@ class Lister:
     def __init__(self, doc: dict):
         self.index = doc["index"]
         self.root = str(doc["root"])
-        self.paths = doc["paths"]
         self.lines: set[str] = set()
         # Each item's id → the paths a user reaches it by.
         self.reached: dict[int, list[str]] = {}
@@ -51,9 +50,7 @@ class Lister:
         if kind == "resolved_path":
             args = self.generic_args(v.get("args"))
             return v["path"] + args
-        if kind == "primitive":
-            return v
-        if kind == "generic":
+        if kind in ("primitive", "generic"):
             return v
         if kind == "borrowed_ref":
             life = f"{v['lifetime']} " if v.get("lifetime") else ""
@@ -165,7 +162,7 @@ class Lister:
             self.add(path, "mod")
             for child in v["items"]:
                 self.child(path, self.index[str(child)], seen)
-        elif kind == "use":
+        else:
             target = self.index.get(str(v["id"])) if v.get("id") is not None else None
             if v.get("is_glob"):
                 if target is not None:
@@ -177,7 +174,6 @@ class Lister:
                 self.item(path, target, seen)
             else:
                 self.add(path, f"pub use {v['source']}")
-
 
     def describe(self, path: str, item: dict) -> None:
         """Lists the item at `path`, with its members."""
@@ -219,20 +215,17 @@ class Lister:
             self.add(path, kind)
 
     def child(self, parent: str, item: dict, seen: frozenset) -> None:
-        if item.get("visibility") != "public" and "use" not in item["inner"]:
+        """A public item of the module at `parent`: a glob import's items join it, anything
+        else is reached by its name (a re-export's own)."""
+        if item.get("visibility") != "public":
             return
-        if "use" in item["inner"]:
-            if item.get("visibility") != "public":
-                return
-            name = item["inner"]["use"]["name"]
-            if item["inner"]["use"].get("is_glob"):
-                self.item(parent, item, seen)
-                return
-        else:
-            name = item["name"]
-        if name is None:
+        use = item["inner"].get("use")
+        if use is not None and use.get("is_glob"):
+            self.item(parent, item, seen)
             return
-        self.item(f"{parent}::{name}", item, seen)
+        name = use["name"] if use is not None else item["name"]
+        if name is not None:
+            self.item(f"{parent}::{name}", item, seen)
 
     def run(self) -> list[str]:
         self.item(CRATE, self.index[self.root], frozenset())

@@ -37,7 +37,17 @@ def cargo_json(*args: str) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-def externs() -> tuple[list[str], Path]:
+def package() -> tuple[dict, Path]:
+    """The library's package as cargo metadata describes it, and the target folder."""
+    metadata = json.loads(subprocess.run(
+        ["cargo", "metadata", "--format-version", "1", "--no-deps"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout)
+    found = next(p for p in metadata["packages"] if p["name"] == CRATE)
+    return found, Path(metadata["target_directory"])
+
+
+def externs() -> list[str]:
     """`--extern name=rlib` for each dependency of the library, from the release build.
 
     A crate can be built twice (for the build machine's proc macros and build scripts, and for
@@ -67,11 +77,7 @@ def externs() -> tuple[list[str], Path]:
         if not files:
             sys.exit(f"the release build made no library for {unit['pkg_id']}")
         flags += ["--extern", f"{dep['extern_crate_name']}={files[0]}"]
-    metadata = json.loads(subprocess.run(
-        ["cargo", "metadata", "--format-version", "1", "--no-deps"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    ).stdout)
-    return flags, Path(metadata["target_directory"])
+    return flags
 
 
 def unit_key(package: str, target: str, features: list[str], opt_level: str) -> tuple:
@@ -79,20 +85,18 @@ def unit_key(package: str, target: str, features: list[str], opt_level: str) -> 
 
 
 def rustdoc(features: list[str], json_output: bool) -> Path:
-    """Runs rustdoc on the library; returns the folder it wrote to."""
-    flags, target = externs()
-    manifest = (ROOT / "Cargo.toml").read_text()
-    version = next(line.split('"')[1] for line in manifest.splitlines() if line.startswith("version"))
+    """Runs rustdoc on the library with `features` on; returns the folder it wrote to."""
+    found, target = package()
     out = target / ("api-json" if json_output else "doc-release")
     command = [
-        "rustdoc", "--edition=2024", "--crate-type", "lib", "--crate-name", CRATE,
+        "rustdoc", f"--edition={found['edition']}", "--crate-type", "lib", "--crate-name", CRATE,
         str(ROOT / "src" / "lib.rs"), "-o", str(out),
-        "-L", f"dependency={target / 'release' / 'deps'}", *flags,
+        "-L", f"dependency={target / 'release' / 'deps'}", *externs(),
     ]
     for feature in features:
         command += ["--cfg", f'feature="{feature}"']
     env = dict(os.environ, CARGO_MANIFEST_DIR=str(ROOT), CARGO_PKG_NAME=CRATE,
-               CARGO_CRATE_NAME=CRATE, CARGO_PKG_VERSION=version)
+               CARGO_CRATE_NAME=CRATE, CARGO_PKG_VERSION=found["version"])
     if json_output:
         command += ["-Z", "unstable-options", "--output-format", "json"]
         env["RUSTC_BOOTSTRAP"] = "1"
@@ -105,11 +109,7 @@ def rustdoc(features: list[str], json_output: bool) -> Path:
 
 def default_features() -> list[str]:
     """The features `default` turns on, followed through the features they turn on."""
-    metadata = json.loads(subprocess.run(
-        ["cargo", "metadata", "--format-version", "1", "--no-deps"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
-    ).stdout)
-    table = next(p for p in metadata["packages"] if p["name"] == CRATE)["features"]
+    table = package()[0]["features"]
     on, todo = set(), ["default"]
     while todo:
         feature = todo.pop()

@@ -140,7 +140,6 @@ def start(replicas: int, cpus_per_replica: int, port: int, **options) -> str:
     # Ray's workers import app.py by name, as this process does.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     sys.path.insert(0, str(HERE))
-    import app
 
     ray.init(
         num_cpus=max(os.cpu_count() or 1, replicas * cpus_per_replica),
@@ -151,8 +150,17 @@ def start(replicas: int, cpus_per_replica: int, port: int, **options) -> str:
         log_to_driver=False,
     )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(app.deployment(replicas, cpus_per_replica, **options), name=APP, route_prefix="/encode")
+    deploy(replicas, cpus_per_replica, **options)
     return f"http://127.0.0.1:{port}/encode"
+
+
+def deploy(replicas: int, cpus_per_replica: int, **options) -> None:
+    """app.py's application, at the URL :func:`start` returns."""
+    from ray import serve
+
+    import app
+
+    serve.run(app.deployment(replicas, cpus_per_replica, **options), name=APP, route_prefix="/encode")
 
 
 def redeploy(replicas: int = 1, cpus_per_replica: int = 1, **options) -> None:
@@ -160,10 +168,8 @@ def redeploy(replicas: int = 1, cpus_per_replica: int = 1, **options) -> None:
     URL (deleted first: the new replicas need the cores the old ones hold)."""
     from ray import serve
 
-    import app
-
     serve.delete(APP)
-    serve.run(app.deployment(replicas, cpus_per_replica, **options), name=APP, route_prefix="/encode")
+    deploy(replicas, cpus_per_replica, **options)
 
 
 def stop() -> None:
