@@ -5,10 +5,14 @@ with different adapters gathered into one engine step.
                                       or JSON {"url": "file:///path/to/image.png"} for a file
                                       inside the deployment's allowed_media_root
     header serve_multiplexed_model_id: the adapter's name (leave it out for the base model)
+    header Authorization: Bearer <MMLORA_SERVE_TOKEN>, where the deployment has a token
 
 `file://` URLs are refused (403) unless the deployment names `allowed_media_root`, and then
 served only for files that resolve inside it: every other path gets the same 403 reply,
 whether or not it exists, so that the endpoint tells a client nothing about the server's files.
+A body above `max_body_bytes` is refused (413) before it is read whole, a request not answered
+within `request_timeout_s` gets 504 (and its image never reaches a later engine step), and
+requests beyond what the replicas and Serve's queue hold get 503 with `Retry-After`.
 
 The reply is JSON: the embeddings as base64 of little-endian float32 (exact bits, and a plain
 HTTP client reads it without a safetensors parser), their shape, and how many requests (and
@@ -24,12 +28,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextvars
+import hmac
+import json
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 from ray import serve
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -37,6 +46,9 @@ import mmlora
 
 #: The adapters of `mmlora.Engine()`'s bundled model; a deployment on a model folder names its own.
 BUNDLED_ADAPTERS = ["all-r4", "patterns", "rslora-r8", "tower-r2"]
+
+#: The environment variable holding the bearer token requests must carry; unset: none needed.
+TOKEN_VARIABLE = "MMLORA_SERVE_TOKEN"
 
 #: The reply to a `file://` URL when the deployment serves no local files.
 NO_LOCAL_FILES = (
@@ -47,6 +59,17 @@ NO_LOCAL_FILES = (
 OUTSIDE_MEDIA_ROOT = (
     "file:// URLs are served only for files inside the deployment's allowed_media_root"
 )
+#: The reply to a request without the deployment's token, or with another: one text for both.
+UNAUTHORIZED = f"this deployment needs the header `Authorization: Bearer <{TOKEN_VARIABLE}>`"
+
+#: The environment variable of each Ray node that sets :class:`BodyLimit`'s limit in bytes.
+PROXY_LIMIT_VARIABLE = "MMLORA_SERVE_MAX_BODY_BYTES"
+#: The limit on bodies, in Serve's proxy (:class:`BodyLimit`) and in each replica.
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+
+
+def too_large(limit: int, setting: str) -> str:
+    return f"the body is larger than {limit} bytes, this deployment's limit ({setting})"
 
 
 class BadRequest(Exception):
@@ -55,6 +78,16 @@ class BadRequest(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
+
+
+@dataclass(frozen=True)
+class Item:
+    """One request waiting for an engine step: its image, adapter, and the `time.monotonic()`
+    after which nobody waits for its result any more."""
+
+    image: bytes | str
+    adapter: str | None
+    deadline: float
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -73,6 +106,13 @@ class Encoder:
             long the first waits for others.
         allowed_media_root: the folder whose files `file://` URLs may name (on every node a
             replica may run on); ``None`` (the default) refuses every `file://` URL.
+        max_body_bytes: the largest request body read; a larger one gets 413.
+        request_timeout_s: how long a request may take on the replica, from its arrival to its
+            reply (loading its adapter, waiting for a step, the step); past it, 504.
+
+    The bearer token is the replica's environment variable ``MMLORA_SERVE_TOKEN`` (see
+    :func:`deployment`): when it is set, a request without ``Authorization: Bearer <token>``
+    gets 401.
     """
 
     def __init__(
@@ -84,8 +124,14 @@ class Encoder:
         max_batch_size: int = 32,
         batch_wait_timeout_s: float = 0.01,
         allowed_media_root: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        request_timeout_s: float = 30.0,
     ):
         self.local_files = allowed_media_root is not None
+        self.max_body_bytes = max_body_bytes
+        self.request_timeout_s = request_timeout_s
+        token = os.environ.get(TOKEN_VARIABLE)
+        self.token = token.encode() if token else None
         self.engine = mmlora.Engine(
             model_dir, device=device, max_loras=max_loras, allowed_media_root=allowed_media_root
         )
@@ -113,21 +159,31 @@ class Encoder:
         return name
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
-    async def encode_batch(self, items: list[tuple[Any, str | None]]) -> list[dict | Exception]:
+    async def encode_batch(self, items: list[Item]) -> list[dict | Exception]:
+        # A request whose deadline passed while it waited has had its 504: its image is left
+        # out of the step.
+        now = time.monotonic()
+        replies: list[dict | Exception] = [
+            BadRequest(504, "the deadline passed before the step") for _ in items
+        ]
+        live = [i for i, item in enumerate(items) if item.deadline > now]
         requests = [
-            {"id": str(i), "image": image, "adapter": adapter}
-            for i, (image, adapter) in enumerate(items)
+            {"id": str(i), "image": items[i].image, "adapter": items[i].adapter} for i in live
         ]
         try:
-            results = await self.engine.encode_async(requests)
+            results = await self.engine.encode_async(requests) if requests else []
         except mmlora.Error:
             # One bad image refuses the whole call: serve each request alone, so that only
             # the bad ones fail.
-            return [await self._alone(request) for request in requests]
+            for i, request in zip(live, requests):
+                replies[i] = await self._alone(request)
+            return replies
         steps: dict[int, list[str | None]] = {}
         for result in results:
             steps.setdefault(result.step, []).append(result.adapter)
-        return [reply(result, steps[result.step]) for result in results]
+        for i, result in zip(live, results):
+            replies[i] = reply(result, steps[result.step])
+        return replies
 
     async def _alone(self, request: dict) -> dict | Exception:
         try:
@@ -138,40 +194,85 @@ class Encoder:
 
     async def __call__(self, http: Request) -> JSONResponse:
         try:
-            adapter = serve.get_multiplexed_model_id() or None
-            if adapter is not None:
-                await self.adapter(adapter)
-            image = await read_image(http, self.local_files)
-            # Serve's batcher splits a batch by the requests' multiplexed model ids, one model
-            # per batch; the engine mixes adapters in one step. So the request joins the batch
-            # from an empty context, where it carries no model id (its adapter goes with it).
-            batched = contextvars.Context().run(
-                asyncio.ensure_future, self.encode_batch((image, adapter))
+            self._authorize(http)
+            result = await asyncio.wait_for(
+                self._encode(http, time.monotonic() + self.request_timeout_s),
+                self.request_timeout_s,
             )
-            result = await batched
-            if isinstance(result, Exception):
-                raise result
+        except asyncio.TimeoutError:  # the built-in TimeoutError from Python 3.11 on
+            message = (
+                f"not served within the deployment's request_timeout_s ({self.request_timeout_s} s)"
+            )
+            return JSONResponse({"error": message}, status_code=504)
         except BadRequest as error:
-            return JSONResponse({"error": str(error)}, status_code=error.status)
+            headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+            return JSONResponse({"error": str(error)}, status_code=error.status, headers=headers)
         except mmlora.ForbiddenPathError:
             return JSONResponse({"error": OUTSIDE_MEDIA_ROOT}, status_code=403)
         except mmlora.MissingFileError as error:
             return JSONResponse({"error": str(error)}, status_code=404)
+        except mmlora.ImageTooLargeError as error:
+            return JSONResponse({"error": str(error)}, status_code=413)
         except mmlora.Error as error:
             return JSONResponse({"error": str(error)}, status_code=400)
         return JSONResponse(result)
 
+    def _authorize(self, http: Request) -> None:
+        if self.token is None:
+            return
+        scheme, _, given = http.headers.get("authorization", "").partition(" ")
+        # Constant time: how much of a guess matched must not show in how long the reply takes.
+        if not (scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), self.token)):
+            raise BadRequest(401, UNAUTHORIZED)
 
-async def read_image(http: Request, local_files: bool) -> bytes | str:
+    async def _encode(self, http: Request, deadline: float) -> dict:
+        """The request's reply, or the exception it fails with. Cancelled at its deadline: the
+        adapter's loading and the step are shielded from that, so that a request given up on
+        leaves the replica as another would (the step drops its image, see `encode_batch`)."""
+        adapter = serve.get_multiplexed_model_id() or None
+        image = await read_image(http, self.local_files, self.max_body_bytes)
+        if adapter is not None:
+            await asyncio.shield(self.adapter(adapter))
+        # Serve's batcher splits a batch by the requests' multiplexed model ids, one model per
+        # batch; the engine mixes adapters in one step. So the request joins the batch from an
+        # empty context, where it carries no model id (its adapter goes with it).
+        batched = contextvars.Context().run(
+            asyncio.ensure_future, self.encode_batch(Item(image, adapter, deadline))
+        )
+        result = await asyncio.shield(batched)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+
+async def read_body(http: Request, limit: int) -> bytes:
+    """The request's body, refused (413) above `limit` bytes: by its declared length before a
+    byte is read, else once the bytes read pass the limit. (Serve's replica fetches the body
+    from the proxy while this runs, so without :class:`BodyLimit` in the proxy a replica may
+    still hold tens of MiB of a refused body for a moment.)"""
+    refused = BadRequest(413, too_large(limit, "max_body_bytes"))
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise refused
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise refused
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_image(http: Request, local_files: bool, limit: int) -> bytes | str:
     """The request's image: the uploaded bytes, or the path of a `file://` URL (percent-encoding
     decoded; the engine then checks that it resolves inside the allowed folder)."""
-    body = await http.body()
+    body = await read_body(http, limit)
     if not http.headers.get("content-type", "").startswith("application/json"):
         if not body:
             raise BadRequest(400, "the body holds no image")
         return body
     try:
-        url = (await http.json())["url"]
+        url = json.loads(body)["url"]
     except (ValueError, KeyError, TypeError):
         raise BadRequest(400, 'a JSON body is {"url": "file:///path/to/image"}') from None
     parsed = urlparse(str(url))
@@ -180,6 +281,60 @@ async def read_image(http: Request, local_files: bool) -> bytes | str:
     if not local_files:
         raise BadRequest(403, NO_LOCAL_FILES)
     return unquote(parsed.path)
+
+
+class BodyLimit:
+    """ASGI middleware for Serve's HTTP proxy: a body above `limit` bytes gets 413 there, before
+    any of it reaches a replica, so that neither the proxy nor a replica holds more than the
+    limit of it. A declared length above the limit is refused before a byte is read; a body
+    without one (chunked) is gathered in the proxy up to the limit, then passed on whole.
+
+    Serve starts its proxies with the middlewares that :func:`proxy_middlewares` returns when
+    each node's Ray is started with ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` set to
+    ``app:proxy_middlewares`` (see README.md).
+    """
+
+    def __init__(self, app: Any, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if declared.isdigit() and int(declared) <= self.limit:
+                return await self.app(scope, receive, send)
+            return await self._refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await self._refuse(scope, receive, send)
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        whole = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> dict:
+            return whole.pop() if whole else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+        message = too_large(self.limit, PROXY_LIMIT_VARIABLE)
+        await JSONResponse({"error": message}, status_code=413)(scope, receive, send)
+
+
+def proxy_middlewares() -> list[Middleware]:
+    """What Serve's HTTP proxy applies to every request, given by the import path
+    ``app:proxy_middlewares`` in ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``: the body limit,
+    ``MMLORA_SERVE_MAX_BODY_BYTES`` bytes (32 MiB where unset)."""
+    limit = int(os.environ.get(PROXY_LIMIT_VARIABLE, DEFAULT_MAX_BODY_BYTES))
+    return [Middleware(BodyLimit, limit=limit)]
 
 
 def reply(result: mmlora.Encoded, step_adapters: list[str | None]) -> dict:
@@ -197,18 +352,30 @@ def reply(result: mmlora.Encoded, step_adapters: list[str | None]) -> dict:
 
 
 def deployment(
-    replicas: int = 1, cpus_per_replica: int = 1, **options: Any
+    replicas: int = 1,
+    cpus_per_replica: int = 1,
+    max_queued_requests: int = 256,
+    retry_after_s: float = 1.0,
+    **options: Any,
 ) -> serve.Application:
     """The application with `replicas` CPU replicas of `cpus_per_replica` cores each (the
-    engine's threads limited to them); `options` go to :class:`Encoder`."""
+    engine's threads limited to them); `options` go to :class:`Encoder`.
+
+    Each replica takes twice `max_batch_size` requests at a time (one step running, the next
+    gathering); Serve's proxy on each node queues up to `max_queued_requests` more, and answers
+    any beyond that with 503 and `Retry-After: retry_after_s`. The replicas get this process's
+    `MMLORA_SERVE_TOKEN`, where it is set (see README.md for where else to set it).
+    """
+    env = {"RAYON_NUM_THREADS": str(cpus_per_replica)}
+    if os.environ.get(TOKEN_VARIABLE):
+        env[TOKEN_VARIABLE] = os.environ[TOKEN_VARIABLE]
     return Encoder.options(
         num_replicas=replicas,
         # Serve's default of 5 requests at a time per replica would cap each step at 5.
         max_ongoing_requests=2 * options.get("max_batch_size", 32),
-        ray_actor_options={
-            "num_cpus": cpus_per_replica,
-            "runtime_env": {"env_vars": {"RAYON_NUM_THREADS": str(cpus_per_replica)}},
-        },
+        max_queued_requests=max_queued_requests,
+        backpressure_config={"status_code": 503, "retry_after_s": retry_after_s},
+        ray_actor_options={"num_cpus": cpus_per_replica, "runtime_env": {"env_vars": env}},
     ).bind(**options)
 
 

@@ -16,13 +16,14 @@ import base64
 import itertools
 import json
 import os
+import signal
 import socket
 import statistics
 import sys
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,37 +46,70 @@ class Job:
 def jobs(images: list[Path], adapters: list[str | None], count: int) -> list[Job]:
     """`count` requests cycling through every image × adapter × (upload or URL)."""
     kinds = itertools.product(images, adapters, (True, False))
-    return [Job(image, adapter, upload) for (image, adapter, upload), _ in zip(itertools.cycle(kinds), range(count))]
+    return [
+        Job(image, adapter, upload)
+        for (image, adapter, upload), _ in zip(itertools.cycle(kinds), range(count))
+    ]
 
 
-def send(url: str, job: Job, timeout: float) -> tuple[int, dict, float]:
-    """The HTTP status, the decoded reply and the request's latency in seconds."""
+@dataclass(frozen=True)
+class Reply:
+    """One HTTP reply: its status, its JSON body (a non-JSON body as ``{"error": text}``), its
+    `Retry-After` header, and the request's latency in seconds."""
+
+    status: int
+    body: dict
+    seconds: float
+    retry_after: str | None = None
+
+
+def send(url: str, job: Job, timeout: float, token: str | None = None) -> Reply:
     if job.upload:
-        return post(url, job.image.read_bytes(), "application/octet-stream", job.adapter, timeout)
-    return send_url(url, job.image.as_uri(), job.adapter, timeout)
+        return post(
+            url, job.image.read_bytes(), "application/octet-stream", job.adapter, timeout, token
+        )
+    return send_url(url, job.image.as_uri(), job.adapter, timeout, token)
 
 
 def send_url(
-    url: str, file_url: str, adapter: str | None = None, timeout: float = 60.0
-) -> tuple[int, dict, float]:
+    url: str,
+    file_url: str,
+    adapter: str | None = None,
+    timeout: float = 60.0,
+    token: str | None = None,
+) -> Reply:
     """:func:`send` for a `file://` URL spelled as given (`..`, percent-encoding and all)."""
-    return post(url, json.dumps({"url": file_url}).encode(), "application/json", adapter, timeout)
+    return post(
+        url, json.dumps({"url": file_url}).encode(), "application/json", adapter, timeout, token
+    )
 
 
 def post(
-    url: str, body: bytes, kind: str, adapter: str | None, timeout: float
-) -> tuple[int, dict, float]:
+    url: str,
+    body: bytes,
+    kind: str,
+    adapter: str | None,
+    timeout: float,
+    token: str | None = None,
+) -> Reply:
     headers = {"content-type": kind}
     if adapter is not None:
         headers["serve_multiplexed_model_id"] = adapter
+    if token is not None:
+        headers["authorization"] = f"Bearer {token}"
     started = time.perf_counter()
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            status, reply = response.status, json.load(response)
+            status, text, retry_after = response.status, response.read(), None
     except urllib.error.HTTPError as error:
-        status, reply = error.code, json.load(error)
-    return status, reply, time.perf_counter() - started
+        status, text, retry_after = error.code, error.read(), error.headers.get("retry-after")
+    seconds = time.perf_counter() - started
+    try:
+        reply = json.loads(text)
+    except ValueError:
+        reply = {"error": text.decode(errors="replace")}
+    return Reply(status, reply, seconds, retry_after)
 
 
 def embeds(reply: dict) -> np.ndarray:
@@ -83,20 +117,10 @@ def embeds(reply: dict) -> np.ndarray:
     return values.reshape(reply["shape"])
 
 
-def send_all(
-    url: str, work: list[Job], concurrency: int, timeout: float
-) -> list[tuple[int, dict, float]]:
-    """Sends `work` from `concurrency` threads at once; each reply's status, body and latency,
-    in order."""
+def send_all(url: str, work: list[Job], concurrency: int, timeout: float) -> list[Reply]:
+    """Sends `work` from `concurrency` threads at once; the replies in order."""
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(lambda job: send(url, job, timeout), work))
-
-
-def burst_outcomes(
-    url: str, work: list[Job], concurrency: int, timeout: float = 120.0
-) -> list[tuple[int, dict]]:
-    """Sends `work` from `concurrency` threads at once; each reply's status and body, in order."""
-    return [(status, reply) for status, reply, _ in send_all(url, work, concurrency, timeout)]
 
 
 def burst(url: str, work: list[Job], concurrency: int, timeout: float = 120.0) -> dict:
@@ -105,11 +129,11 @@ def burst(url: str, work: list[Job], concurrency: int, timeout: float = 120.0) -
     started = time.perf_counter()
     outcomes = send_all(url, work, concurrency, timeout)
     seconds = time.perf_counter() - started
-    for job, (status, reply, _) in zip(work, outcomes):
-        if status != 200:
-            raise RuntimeError(f"{job}: HTTP {status}: {reply}")
-    replies = [reply for _, reply, _ in outcomes]
-    latencies = sorted(latency for _, _, latency in outcomes)
+    for job, outcome in zip(work, outcomes):
+        if outcome.status != 200:
+            raise RuntimeError(f"{job}: HTTP {outcome.status}: {outcome.body}")
+    replies = [outcome.body for outcome in outcomes]
+    latencies = sorted(outcome.seconds for outcome in outcomes)
     return {
         "replies": replies,
         "requests": len(work),
@@ -125,6 +149,39 @@ def burst(url: str, work: list[Job], concurrency: int, timeout: float = 120.0) -
     }
 
 
+def burst_killing_a_replica(
+    url: str, work: list[Job], concurrency: int, kill_after: int, timeout: float = 120.0
+) -> tuple[list[Reply], int]:
+    """Sends `work` from `concurrency` threads at once and, once `kill_after` requests have been
+    served, kills (SIGKILL) the replica that served the last of them; the replies in order,
+    and the killed replica's process id. Ray must be running on this machine."""
+    killed = None
+    with ThreadPoolExecutor(concurrency) as pool:
+        futures = [pool.submit(send, url, job, timeout) for job in work]
+        served = 0
+        for future in as_completed(futures):
+            outcome = future.result()
+            served += outcome.status == 200
+            if killed is None and served >= kill_after:
+                killed = outcome.body["replica"]
+                os.kill(killed, signal.SIGKILL)
+        if killed is None:
+            raise RuntimeError(f"fewer than {kill_after} requests were served")
+        return [future.result() for future in futures], killed
+
+
+def wait_for_new_replica(url: str, job: Job, known: set[int], timeout: float = 120.0) -> float:
+    """Sends `job` again and again until a replica not in `known` (process ids) serves it; the
+    seconds that took. Errors while the deployment recovers are part of the wait."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        outcome = send(url, job, timeout)
+        if outcome.status == 200 and outcome.body["replica"] not in known:
+            return time.perf_counter() - started
+        time.sleep(0.1)
+    raise TimeoutError(f"no replica beyond {sorted(known)} served within {timeout} s")
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -132,17 +189,29 @@ def free_port() -> int:
 
 
 def start(replicas: int, cpus_per_replica: int, port: int, **options) -> str:
-    """Ray on this machine only (127.0.0.1, no dashboard), Serve's HTTP proxy on `port`, and
-    app.py deployed; the URL to post to."""
+    """Ray and Serve (:func:`start_serve`) and app.py deployed; the URL to post to."""
+    url = start_serve(port, replicas * cpus_per_replica)
+    deploy(replicas, cpus_per_replica, **options)
+    return url
+
+
+def start_serve(port: int, cpus: int = 1) -> str:
+    """Ray on this machine only (127.0.0.1, no dashboard) with at least `cpus` cores, and
+    Serve's HTTP proxy on `port` with app.py's body limit; the URL app.py will answer at once
+    deployed."""
     import ray
     from ray import serve
 
-    # Ray's workers import app.py by name, as this process does.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    # Ray's workers import app.py by name, as this process does; the proxies apply its body
+    # limit.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(HERE), os.environ.get("PYTHONPATH")])
+    )
+    os.environ["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"] = "app:proxy_middlewares"
     sys.path.insert(0, str(HERE))
 
     ray.init(
-        num_cpus=max(os.cpu_count() or 1, replicas * cpus_per_replica),
+        num_cpus=max(os.cpu_count() or 1, cpus),
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         object_store_memory=256 << 20,
@@ -150,22 +219,23 @@ def start(replicas: int, cpus_per_replica: int, port: int, **options) -> str:
         log_to_driver=False,
     )
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    deploy(replicas, cpus_per_replica, **options)
     return f"http://127.0.0.1:{port}/encode"
 
 
 def deploy(replicas: int, cpus_per_replica: int, **options) -> None:
-    """app.py's application, at the URL :func:`start` returns."""
+    """app.py's application, at the URL :func:`start_serve` returns."""
     from ray import serve
 
     import app
 
-    serve.run(app.deployment(replicas, cpus_per_replica, **options), name=APP, route_prefix="/encode")
+    serve.run(
+        app.deployment(replicas, cpus_per_replica, **options), name=APP, route_prefix="/encode"
+    )
 
 
 def redeploy(replicas: int = 1, cpus_per_replica: int = 1, **options) -> None:
-    """The application of :func:`start` deleted and deployed again with `options`, at the same
-    URL (deleted first: the new replicas need the cores the old ones hold)."""
+    """The application deleted, where there is one, and deployed again with `options`, at the
+    same URL (deleted first: the new replicas need the cores the old ones hold)."""
     from ray import serve
 
     serve.delete(APP)

@@ -16,6 +16,7 @@ __all__ = [
     "UnknownAdapterError",
     "RequestError",
     "ImageError",
+    "ImageTooLargeError",
     "NumericError",
     "DeviceError",
     "ForbiddenPathError",
@@ -56,6 +57,11 @@ class RequestError(Error, ValueError):
 
 class ImageError(RequestError):
     """A request's image cannot be read, decoded or processed."""
+
+
+class ImageTooLargeError(ImageError):
+    """A request's image is above a size limit: more pixels than the decoder accepts, or more
+    patches than one step can hold on the device. The message names the limit."""
 
 
 class NumericError(Error, ArithmeticError):

@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyType;
 
 use mmlora::engine::EngineError;
+use mmlora::PreprocessError;
 
 /// An exception to raise: the name of its class in `mmlora.errors` and its message. Made
 /// without the GIL (inside a call that let go of it); raised once the call holds it again.
@@ -33,10 +34,13 @@ pub fn engine_error(error: EngineError) -> Failure {
             | EngineError::Model(_)
             | EngineError::Preprocess(_) => "ModelError",
             EngineError::Adapter(_) => "AdapterError",
+            EngineError::Image {
+                source: PreprocessError::TooLarge { .. },
+                ..
+            }
+            | EngineError::TooLarge { .. } => "ImageTooLargeError",
             EngineError::Image { .. } => "ImageError",
-            EngineError::Patches { .. }
-            | EngineError::TooLarge { .. }
-            | EngineError::DuplicateRequest(_) => "RequestError",
+            EngineError::Patches { .. } | EngineError::DuplicateRequest(_) => "RequestError",
             EngineError::UnknownAdapter { .. } | EngineError::NotLoaded(_) => "UnknownAdapterError",
             EngineError::NotFinite { .. } | EngineError::WeightBeyondF16 { .. } => "NumericError",
             EngineError::Poisoned | EngineError::Execution(_) | EngineError::DeviceLost(_) => {

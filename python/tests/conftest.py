@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,24 @@ FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
 
 def model_dir(family: str) -> Path:
     return ASSETS / f"tiny-{family}"
+
+
+def declared_png(width: int, height: int) -> bytes:
+    """A PNG file that declares `width`×`height` RGB pixels and holds none: what a decoder must
+    refuse from its header alone when the size is above its limit."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b""))
+        + chunk(b"IEND", b"")
+    )
 
 
 def batch(family: str) -> dict:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import mmlora
-from conftest import model_dir
+from conftest import declared_png, model_dir
 
 MODEL = model_dir("qwen2-vl")
 SQUARE = MODEL / "images" / "square.png"
@@ -47,13 +47,23 @@ def still_works(engine: mmlora.Engine, before: list[np.ndarray], names=("all-r4"
         ({"id": 7, "image": SQUARE}, TypeError, "request 1's id is a int"),
         ({"id": "x", "image": 3}, TypeError, "request `x`: the image is a int"),
         ({"id": "x", "image": SQUARE, "adapter": 1}, TypeError, "request `x`'s adapter"),
-        ({"id": "x", "image": np.zeros((8, 8, 3), np.float32)}, TypeError, "float32; expected uint8"),
+        (
+            {"id": "x", "image": np.zeros((8, 8, 3), np.float32)},
+            TypeError,
+            "float32; expected uint8",
+        ),
         ({"id": "x", "image": np.zeros((8, 8), np.uint8)}, mmlora.ImageError, "is 8×8;"),
         ({"id": "x", "image": np.zeros((8, 8, 4), np.uint8)}, mmlora.ImageError, "8×8×4"),
         ({"id": "x", "image": np.zeros((0, 8, 3), np.uint8)}, mmlora.ImageError, "request `x`"),
         ({"id": "x", "image": MODEL / "nope.png"}, mmlora.MissingFileError, "nope.png"),
         ({"id": "x", "image": MODEL / "config.json"}, mmlora.ImageError, "config.json"),
         ({"id": "x", "image": b"not an image"}, mmlora.ImageError, "request `x`"),
+        # 9000 × 8000 is above the decoder's 64 Mi pixels: refused by its header, the limit named.
+        (
+            {"id": "x", "image": declared_png(9000, 8000)},
+            mmlora.ImageTooLargeError,
+            "9000×8000, above the limit of 67108864 pixels",
+        ),
         ({"id": "x", "image": SQUARE, "adapter": "nope"}, mmlora.UnknownAdapterError, "`nope`"),
     ],
 )
@@ -76,6 +86,8 @@ def test_the_exceptions_are_the_builtin_ones_python_code_catches(engine):
     assert str(unknown.value).startswith("request `x` names adapter `nope`")  # not quoted
     with pytest.raises(mmlora.RequestError, match="request id `x` appears more than once"):
         engine.encode([{"id": "x", "image": SQUARE}, {"id": "x", "image": SQUARE}])
+    with pytest.raises(mmlora.RequestError):
+        engine.encode([{"id": "x", "image": declared_png(9000, 8000)}])
     with pytest.raises(TypeError, match="wrap the one request in a list"):
         engine.encode({"id": "x", "image": SQUARE})
 
