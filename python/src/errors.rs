@@ -7,8 +7,8 @@ use std::io;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
 
-use mmlora::engine::EngineError;
 use mmlora::PreprocessError;
+use mmlora::engine::EngineError;
 
 /// An exception to raise: the name of its class in `mmlora.errors` and its message. Made
 /// without the GIL (inside a call that let go of it); raised once the call holds it again.
