@@ -31,8 +31,6 @@ import contextvars
 import hmac
 import json
 import os
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -78,16 +76,6 @@ class BadRequest(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
-
-
-@dataclass(frozen=True)
-class Item:
-    """One request waiting for an engine step: its image, adapter, and the `time.monotonic()`
-    after which nobody waits for its result any more."""
-
-    image: bytes | str
-    adapter: str | None
-    deadline: float
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -159,31 +147,21 @@ class Encoder:
         return name
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
-    async def encode_batch(self, items: list[Item]) -> list[dict | Exception]:
-        # A request whose deadline passed while it waited has had its 504: its image is left
-        # out of the step.
-        now = time.monotonic()
-        replies: list[dict | Exception] = [
-            BadRequest(504, "the deadline passed before the step") for _ in items
-        ]
-        live = [i for i, item in enumerate(items) if item.deadline > now]
+    async def encode_batch(self, items: list[tuple[Any, str | None]]) -> list[dict | Exception]:
         requests = [
-            {"id": str(i), "image": items[i].image, "adapter": items[i].adapter} for i in live
+            {"id": str(i), "image": image, "adapter": adapter}
+            for i, (image, adapter) in enumerate(items)
         ]
         try:
-            results = await self.engine.encode_async(requests) if requests else []
+            results = await self.engine.encode_async(requests)
         except mmlora.Error:
             # One bad image refuses the whole call: serve each request alone, so that only
             # the bad ones fail.
-            for i, request in zip(live, requests):
-                replies[i] = await self._alone(request)
-            return replies
+            return [await self._alone(request) for request in requests]
         steps: dict[int, list[str | None]] = {}
         for result in results:
             steps.setdefault(result.step, []).append(result.adapter)
-        for i, result in zip(live, results):
-            replies[i] = reply(result, steps[result.step])
-        return replies
+        return [reply(result, steps[result.step]) for result in results]
 
     async def _alone(self, request: dict) -> dict | Exception:
         try:
@@ -195,11 +173,10 @@ class Encoder:
     async def __call__(self, http: Request) -> JSONResponse:
         try:
             self._authorize(http)
-            result = await asyncio.wait_for(
-                self._encode(http, time.monotonic() + self.request_timeout_s),
-                self.request_timeout_s,
-            )
-        except asyncio.TimeoutError:  # the built-in TimeoutError from Python 3.11 on
+            # A timer on this task rather than `asyncio.wait_for`, which costs a task of its own.
+            async with asyncio.timeout(self.request_timeout_s):
+                result = await self._encode(http)
+        except TimeoutError:
             message = (
                 f"not served within the deployment's request_timeout_s ({self.request_timeout_s} s)"
             )
@@ -225,21 +202,22 @@ class Encoder:
         if not (scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), self.token)):
             raise BadRequest(401, UNAUTHORIZED)
 
-    async def _encode(self, http: Request, deadline: float) -> dict:
-        """The request's reply, or the exception it fails with. Cancelled at its deadline: the
-        adapter's loading and the step are shielded from that, so that a request given up on
-        leaves the replica as another would (the step drops its image, see `encode_batch`)."""
+    async def _encode(self, http: Request) -> dict:
+        """The request's reply. Cancelled at its deadline, which takes the request out of the
+        step gathering it (Serve's batcher leaves cancelled requests out of a batch). An adapter
+        being read when that happens is read to the end in its thread, and read again by the
+        next request that names it."""
         adapter = serve.get_multiplexed_model_id() or None
         image = await read_image(http, self.local_files, self.max_body_bytes)
         if adapter is not None:
-            await asyncio.shield(self.adapter(adapter))
+            await self.adapter(adapter)
         # Serve's batcher splits a batch by the requests' multiplexed model ids, one model per
         # batch; the engine mixes adapters in one step. So the request joins the batch from an
         # empty context, where it carries no model id (its adapter goes with it).
         batched = contextvars.Context().run(
-            asyncio.ensure_future, self.encode_batch(Item(image, adapter, deadline))
+            asyncio.ensure_future, self.encode_batch((image, adapter))
         )
-        result = await asyncio.shield(batched)
+        result = await batched
         if isinstance(result, Exception):
             raise result
         return result
