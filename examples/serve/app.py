@@ -60,14 +60,21 @@ OUTSIDE_MEDIA_ROOT = (
 #: The reply to a request without the deployment's token, or with another: one text for both.
 UNAUTHORIZED = f"this deployment needs the header `Authorization: Bearer <{TOKEN_VARIABLE}>`"
 
-#: The environment variable of each Ray node that sets :class:`BodyLimit`'s limit in bytes.
+#: The environment variable of each Ray node that sets :class:`ProxyGuard`'s limit in bytes.
 PROXY_LIMIT_VARIABLE = "MMLORA_SERVE_MAX_BODY_BYTES"
-#: The limit on bodies, in Serve's proxy (:class:`BodyLimit`) and in each replica.
+#: The limit on bodies, in Serve's proxy (:class:`ProxyGuard`) and in each replica.
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 
 
 def too_large(limit: int, setting: str) -> str:
     return f"the body is larger than {limit} bytes, this deployment's limit ({setting})"
+
+
+#: The reply to a request whose replica failed before replying (it died, or raised).
+REPLICA_FAILED = (
+    "the replica serving this request failed before replying (it died, or raised an error); "
+    "nothing was served for it: send it again"
+)
 
 
 class BadRequest(Exception):
@@ -226,7 +233,7 @@ class Encoder:
 async def read_body(http: Request, limit: int) -> bytes:
     """The request's body, refused (413) above `limit` bytes: by its declared length before a
     byte is read, else once the bytes read pass the limit. (Serve's replica fetches the body
-    from the proxy while this runs, so without :class:`BodyLimit` in the proxy a replica may
+    from the proxy while this runs, so without :class:`ProxyGuard` in the proxy a replica may
     still hold tens of MiB of a refused body for a moment.)"""
     refused = BadRequest(413, too_large(limit, "max_body_bytes"))
     declared = http.headers.get("content-length")
@@ -261,11 +268,16 @@ async def read_image(http: Request, local_files: bool, limit: int) -> bytes | st
     return unquote(parsed.path)
 
 
-class BodyLimit:
-    """ASGI middleware for Serve's HTTP proxy: a body above `limit` bytes gets 413 there, before
-    any of it reaches a replica, so that neither the proxy nor a replica holds more than the
-    limit of it. A declared length above the limit is refused before a byte is read; a body
-    without one (chunked) is gathered in the proxy up to the limit, then passed on whole.
+class ProxyGuard:
+    """ASGI middleware for Serve's HTTP proxy: what it does before and after a replica.
+
+    - A body above `limit` bytes gets 413 there, before any of it reaches a replica, so that
+      neither the proxy nor a replica holds more than the limit of it: a declared length
+      above the limit is refused before a byte is read; a body without one (chunked) is
+      gathered in the proxy up to the limit, then passed on whole.
+    - A request whose replica failed before replying (it died, or raised: Serve answers a
+      bare ``500 Internal Server Error``) gets a 500 that says so in JSON, as every other
+      reply is: :data:`REPLICA_FAILED`.
 
     Serve starts its proxies with the middlewares that :func:`proxy_middlewares` returns when
     each node's Ray is started with ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` set to
@@ -282,8 +294,8 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:
             if declared.isdigit() and int(declared) <= self.limit:
-                return await self.app(scope, receive, send)
-            return await self._refuse(scope, receive, send)
+                return await self.app(scope, receive, self._replies(send))
+            return await self._answer(too_large(self.limit, PROXY_LIMIT_VARIABLE), 413, send)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -291,7 +303,7 @@ class BodyLimit:
                 return
             size += len(message.get("body", b""))
             if size > self.limit:
-                return await self._refuse(scope, receive, send)
+                return await self._answer(too_large(self.limit, PROXY_LIMIT_VARIABLE), 413, send)
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
@@ -300,19 +312,37 @@ class BodyLimit:
         async def replay() -> dict:
             return whole.pop() if whole else await receive()
 
-        await self.app(scope, replay, send)
+        await self.app(scope, replay, self._replies(send))
 
-    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
-        message = too_large(self.limit, PROXY_LIMIT_VARIABLE)
-        await JSONResponse({"error": message}, status_code=413)(scope, receive, send)
+    def _replies(self, send: Any) -> Any:
+        """`send`, with Serve's bare 500 for a failed replica replaced by :data:`REPLICA_FAILED`."""
+        failed = False
+
+        async def reply(message: dict) -> None:
+            nonlocal failed
+            if message["type"] == "http.response.start" and message["status"] == 500:
+                failed = True
+                await self._answer(REPLICA_FAILED, 500, send)
+            elif not failed:
+                await send(message)
+
+        return reply
+
+    @staticmethod
+    async def _answer(message: str, status: int, send: Any) -> None:
+        body = json.dumps({"error": message}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 def proxy_middlewares() -> list[Middleware]:
     """What Serve's HTTP proxy applies to every request, given by the import path
-    ``app:proxy_middlewares`` in ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``: the body limit,
-    ``MMLORA_SERVE_MAX_BODY_BYTES`` bytes (32 MiB where unset)."""
+    ``app:proxy_middlewares`` in ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``: the body limit
+    of ``MMLORA_SERVE_MAX_BODY_BYTES`` bytes (32 MiB where unset), and the reply to a request
+    whose replica failed answered in JSON (:class:`ProxyGuard`)."""
     limit = int(os.environ.get(PROXY_LIMIT_VARIABLE, DEFAULT_MAX_BODY_BYTES))
-    return [Middleware(BodyLimit, limit=limit)]
+    return [Middleware(ProxyGuard, limit=limit)]
 
 
 def reply(result: mmlora.Encoded, step_adapters: list[str | None]) -> dict:
