@@ -10,9 +10,10 @@ with different adapters gathered into one engine step.
 `file://` URLs are refused (403) unless the deployment names `allowed_media_root`, and then
 served only for files that resolve inside it: every other path gets the same 403 reply,
 whether or not it exists, so that the endpoint tells a client nothing about the server's files.
-A body above `max_body_bytes` is refused (413) before it is read whole, a request not answered
-within `request_timeout_s` gets 504 (and its image never reaches a later engine step), and
-requests beyond what the replicas and Serve's queue hold get 503 with `Retry-After`.
+A body above `max_body_bytes` is refused (413) before it is read whole (in Serve's proxy too,
+with :class:`ProxyGuard`), a request not answered within `request_timeout_s` gets 504 (and its
+image never reaches a later engine step), and requests beyond what the replicas and Serve's
+queue hold get 503 with `Retry-After`.
 
 The reply is JSON: the embeddings as base64 of little-endian float32 (exact bits, and a plain
 HTTP client reads it without a safetensors parser), their shape, and how many requests (and

@@ -197,13 +197,13 @@ def start(replicas: int, cpus_per_replica: int, port: int, **options) -> str:
 
 def start_serve(port: int, cpus: int = 1) -> str:
     """Ray on this machine only (127.0.0.1, no dashboard) with at least `cpus` cores, and
-    Serve's HTTP proxy on `port` with app.py's body limit; the URL app.py will answer at once
-    deployed."""
+    Serve's HTTP proxy on `port` with app.py's `ProxyGuard`; the URL app.py will answer at
+    once deployed."""
     import ray
     from ray import serve
 
-    # Ray's workers import app.py by name, as this process does; the proxies apply its body
-    # limit.
+    # Ray's workers import app.py by name, as this process does; the proxies apply its
+    # ProxyGuard.
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(HERE), os.environ.get("PYTHONPATH")])
     )
