@@ -274,11 +274,14 @@ class ProxyGuard:
 
     - A body above `limit` bytes gets 413 there, before any of it reaches a replica, so that
       neither the proxy nor a replica holds more than the limit of it: a declared length
-      above the limit is refused before a byte is read; a body without one (chunked) is
-      gathered in the proxy up to the limit, then passed on whole.
-    - A request whose replica failed before replying (it died, or raised: Serve answers a
-      bare ``500 Internal Server Error``) gets a 500 that says so in JSON, as every other
-      reply is: :data:`REPLICA_FAILED`.
+      above the limit is refused before a byte is read, a body without one (chunked) once
+      the bytes read pass it. A body within the limit is gathered whole (Serve's proxy
+      gathers it anyway), to be sent again if need be.
+    - A request whose replica died with it (Serve's proxy then returns without a reply) is
+      sent once more, to whichever replica Serve picks; encoding an image twice changes
+      nothing, so that is safe. If that fails too, or the replica raised (a bare ``500
+      Internal Server Error``), the reply is a 500 that says so in JSON, as every other reply
+      is: :data:`REPLICA_FAILED`.
 
     Serve starts its proxies with the middlewares that :func:`proxy_middlewares` returns when
     each node's Ray is started with ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` set to
@@ -293,9 +296,7 @@ class ProxyGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None:
-            if declared.isdigit() and int(declared) <= self.limit:
-                return await self.app(scope, receive, self._replies(send))
+        if declared is not None and not (declared.isdigit() and int(declared) <= self.limit):
             return await self._answer(too_large(self.limit, PROXY_LIMIT_VARIABLE), 413, send)
         chunks, size = [], 0
         while True:
@@ -308,26 +309,34 @@ class ProxyGuard:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        whole = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        body = b"".join(chunks)
+        # A replica that died with the request leaves Serve's proxy without a reply: once more.
+        for _ in range(2):
+            if await self._pass_on(scope, body, receive, send):
+                return
+        await self._answer(REPLICA_FAILED, 500, send)
+
+    async def _pass_on(self, scope: dict, body: bytes, receive: Any, send: Any) -> bool:
+        """Serve's proxy on the request; whether it replied. A bare 500 (the replica raised) is
+        replaced by :data:`REPLICA_FAILED`."""
+        whole = [{"type": "http.request", "body": body, "more_body": False}]
+        started = replaced = False
 
         async def replay() -> dict:
             return whole.pop() if whole else await receive()
 
-        await self.app(scope, replay, self._replies(send))
-
-    def _replies(self, send: Any) -> Any:
-        """`send`, with Serve's bare 500 for a failed replica replaced by :data:`REPLICA_FAILED`."""
-        failed = False
-
         async def reply(message: dict) -> None:
-            nonlocal failed
+            nonlocal started, replaced
             if message["type"] == "http.response.start" and message["status"] == 500:
-                failed = True
+                replaced = True
                 await self._answer(REPLICA_FAILED, 500, send)
-            elif not failed:
+            elif not replaced:
                 await send(message)
+            started = True
 
-        return reply
+        # Serve's proxy rewrites the scope it is given (its route prefix): each try gets a copy.
+        await self.app({**scope, "headers": list(scope["headers"])}, replay, reply)
+        return started
 
     @staticmethod
     async def _answer(message: str, status: int, send: Any) -> None:
@@ -340,8 +349,8 @@ class ProxyGuard:
 def proxy_middlewares() -> list[Middleware]:
     """What Serve's HTTP proxy applies to every request, given by the import path
     ``app:proxy_middlewares`` in ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``: the body limit
-    of ``MMLORA_SERVE_MAX_BODY_BYTES`` bytes (32 MiB where unset), and the reply to a request
-    whose replica failed answered in JSON (:class:`ProxyGuard`)."""
+    of ``MMLORA_SERVE_MAX_BODY_BYTES`` bytes (32 MiB where unset), a request whose replica
+    died sent once more, and a failure answered in JSON (:class:`ProxyGuard`)."""
     limit = int(os.environ.get(PROXY_LIMIT_VARIABLE, DEFAULT_MAX_BODY_BYTES))
     return [Middleware(ProxyGuard, limit=limit)]
 

@@ -212,7 +212,7 @@ def test_the_defaults_refuse_local_files_and_bodies_over_the_limit_without_readi
 
 def test_the_proxy_guard_refuses_bodies_over_its_limit_and_answers_a_failed_replica_in_json():
     """`app.ProxyGuard` alone, around stand-ins for Serve's proxy: what it passes on, what it
-    refuses before reading, and Serve's bare 500 replaced."""
+    refuses before reading, and the replies to a failed replica replaced."""
 
     def call(guard_of, headers: list, chunks: list[bytes]) -> tuple[int, bytes, int]:
         """The status and body the guard answers, and how many chunks it read."""
@@ -232,7 +232,7 @@ def test_the_proxy_guard_refuses_bodies_over_its_limit_and_answers_a_failed_repl
         async def send(message: dict) -> None:
             sent.append(message)
 
-        scope = {"type": "http", "headers": headers}
+        scope = {"type": "http", "path": "/encode", "headers": headers}
         asyncio.run(guard_of(scope, receive, send))
         body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
         return sent[0]["status"], body, read
@@ -249,9 +249,21 @@ def test_the_proxy_guard_refuses_bodies_over_its_limit_and_answers_a_failed_repl
         await send({"type": "http.response.body", "body": b"%d" % len(body)})
 
     async def died(scope, receive, send) -> None:
-        """Serve's reply when the replica died with the request."""
+        """Serve's proxy when the replica died with the request: no reply at all."""
+
+    async def raised(scope, receive, send) -> None:
+        """Serve's proxy when the replica raised: a bare 500."""
         await send({"type": "http.response.start", "status": 500, "headers": []})
         await send({"type": "http.response.body", "body": b"Internal Server Error"})
+
+    tries = []
+
+    async def died_once(scope, receive, send) -> None:
+        """A replica that died with the request's first try; the second reaches another."""
+        tries.append(scope["path"])
+        scope["path"] = "/rewritten by the proxy"
+        if len(tries) > 1:
+            await echo(scope, receive, send)
 
     limit = 10
     too_large = json.dumps({"error": app.too_large(limit, app.PROXY_LIMIT_VARIABLE)}).encode()
@@ -263,8 +275,13 @@ def test_the_proxy_guard_refuses_bodies_over_its_limit_and_answers_a_failed_repl
     assert call(guard, [(b"content-length", b"11")], [b"x" * 11]) == (413, too_large, 0)
     assert call(guard, [(b"content-length", b"-1")], [b""]) == (413, too_large, 0)
     assert call(guard, [], [b"123456", b"789012", b"never read"]) == (413, too_large, 2)
+    # A replica that died: tried once more, with the whole body and the scope as it came.
+    retried = app.ProxyGuard(died_once, limit)
+    assert call(retried, length, [b"12345", b"67890"]) == (200, b"10", 2)
+    assert tries == ["/encode", "/encode"]
     failed = json.dumps({"error": app.REPLICA_FAILED}).encode()
-    assert call(app.ProxyGuard(died, limit), length, [b"x" * limit]) == (500, failed, 0)
+    for replica in (died, raised):
+        assert call(app.ProxyGuard(replica, limit), length, [b"x" * limit]) == (500, failed, 1)
 
 
 def test_a_token_set_in_the_environment_is_required(url, monkeypatch):
