@@ -344,7 +344,7 @@ def test_a_burst_beyond_the_queue_gets_503_with_retry_after_and_nobody_waits_pas
     assert load.worst_error([body for _, body in served], want) <= SAME
 
 
-def test_a_replica_killed_mid_burst_fails_only_its_requests_and_is_replaced(url):
+def test_a_replica_killed_mid_burst_is_replaced_and_every_reply_is_its_own_or_an_error(url):
     load.redeploy(2, 1, adapters=ADAPTERS, model_dir=str(MODEL))
     work = uploads(500, list(FOLDERS))
     load.send_all(url, work[:64], concurrency=32, timeout=60)  # adapters loaded on both
