@@ -13,6 +13,7 @@ same warnings, in seconds. The library is documented as a user of it builds it
 """
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -37,8 +38,10 @@ def cargo_json(*args: str) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
+@functools.cache
 def package() -> tuple[dict, Path]:
-    """The library's package as cargo metadata describes it, and the target folder."""
+    """The library's package as cargo metadata describes it, and the target folder (read once:
+    both the features and the rustdoc call need it)."""
     metadata = json.loads(subprocess.run(
         ["cargo", "metadata", "--format-version", "1", "--no-deps"],
         cwd=ROOT, capture_output=True, text=True, check=True,
