@@ -317,14 +317,16 @@ impl DemoApp {
         let Some(plan) = &mut self.screenshot else {
             return;
         };
-        ctx.request_repaint();
         let decoding = self
             .images
             .iter()
             .any(|i| matches!(i.picture, Picture::Loading));
         if self.running || decoding {
+            // The worker's reply and each decoded picture wake the window; frames drawn before
+            // then would take the cores from the batch (on a software GPU, all of them).
             return;
         }
+        ctx.request_repaint();
         if let Some(outcome) = plan.saved.lock().expect("not poisoned").take() {
             if let Err(error) = outcome {
                 self.errors.push(error);
@@ -395,7 +397,9 @@ impl eframe::App for DemoApp {
             })
         });
         if self.running {
-            ctx.request_repaint_after(std::time::Duration::from_millis(100));
+            // The worker wakes the window with each reply; this is only a slow check besides it,
+            // as each frame costs a software GPU the cores the batch runs on.
+            ctx.request_repaint_after(std::time::Duration::from_secs(1));
         }
         self.screenshot_step(&ctx);
     }
@@ -440,8 +444,9 @@ impl DemoApp {
                 self.run();
             }
             if self.running {
-                ui.spinner();
-                ui.label(&self.progress);
+                // Words, not egui's spinner: a spinner asks for the next frame at once, every
+                // frame, and on a software GPU those frames took the cores from the batch.
+                ui.label(format!("working: {}", self.progress));
             }
         });
     }
