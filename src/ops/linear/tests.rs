@@ -56,9 +56,19 @@ fn reference(x: &[f64], weight: &[f64], bias: &[f64], in_features: usize, u: f64
     [y, bound]
 }
 
+/// What a product of ours is checked against.
+#[derive(Clone, Copy, PartialEq)]
+enum Against {
+    /// Float64 alone: for the large shapes, where Burn's autotune (every candidate matmul run
+    /// several times at each new shape) would cost minutes on a software GPU to check Burn's
+    /// product rather than ours.
+    Float64,
+    /// Float64 and Burn's linear ([`check_ours`] says how).
+    Float64AndBurn,
+}
+
 /// Our `kernel` on `gpu` in `dtype` against float64 (of the inputs rounded to `dtype`),
-/// within the bound of f32 sums (rounded to f16 once, in f16), and against Burn's linear
-/// ([`check_ours`] says how).
+/// within the bound of f32 sums (rounded to f16 once, in f16), and against Burn's linear.
 fn check(
     gpu: &device::RuntimeDevice,
     kernel: LinearKernel,
@@ -67,41 +77,18 @@ fn check(
     out_features: usize,
     dtype: DType,
 ) {
-    check_repeated(gpu, kernel, [rows, in_features, out_features], dtype, 1);
+    let shape = [rows, in_features, out_features];
+    check_kernel(gpu, kernel, shape, dtype, 1, Against::Float64AndBurn);
 }
 
-/// [`check`] against float64 alone, without Burn's linear: for the large shapes, where Burn's
-/// autotune (every candidate matmul run several times at each new shape) would cost minutes on a
-/// software GPU to check Burn rather than ours.
-fn check_against_float64(
-    gpu: &device::RuntimeDevice,
-    kernel: LinearKernel,
-    shape: [usize; 3],
-    dtype: DType,
-) {
-    check_kernel(gpu, kernel, shape, dtype, 1, false);
-}
-
-/// [`check`] on `rows × in_features → out_features`, with our kernel run `repeats` times
-/// on the same inputs, each output checked.
-fn check_repeated(
-    gpu: &device::RuntimeDevice,
-    kernel: LinearKernel,
-    shape: [usize; 3],
-    dtype: DType,
-    repeats: usize,
-) {
-    check_kernel(gpu, kernel, shape, dtype, repeats, true);
-}
-
-/// [`check_ours_against`] for our `kernel`.
+/// [`check_ours`] for our `kernel`.
 fn check_kernel(
     gpu: &device::RuntimeDevice,
     kernel: LinearKernel,
     shape: [usize; 3],
     dtype: DType,
     repeats: usize,
-    with_burn: bool,
+    against: Against,
 ) {
     let ours = Ours {
         name: kernel.into(),
@@ -109,7 +96,7 @@ fn check_kernel(
         truncating_sums: kernel.coop_tiling().is_some(),
         run: &|x, weight_t, bias| linear(x, weight_t, Some(bias), kernel),
     };
-    check_ours_against(gpu, &ours, shape, dtype, repeats, with_burn);
+    check_ours(gpu, &ours, shape, dtype, repeats, against);
 }
 
 /// A product of ours under test: its name, whether its f32 sums may truncate instead of
@@ -121,28 +108,18 @@ struct Ours<'a> {
 }
 
 /// [`check`] for any product of ours, on `rows × in_features → out_features`, run
-/// `repeats` times on the same inputs (a race in the kernel shows as one run off). In f32
-/// Burn's linear is within the bound of f32 sums of float64 too, so the two are within twice
-/// it of each other. In f16 Burn's rounds twice (its matmul sums in f32 and writes f16, then
-/// the bias is added in f16), so it is checked against float64 within that wider bound.
+/// `repeats` times on the same inputs (a race in the kernel shows as one run off), against
+/// float64 and, where `against` says so, Burn's linear: in f32 Burn's is within the bound of
+/// f32 sums of float64 too, so the two are within twice it of each other; in f16 Burn's rounds
+/// twice (its matmul sums in f32 and writes f16, then the bias is added in f16), so it is
+/// checked against float64 within that wider bound.
 fn check_ours(
     gpu: &device::RuntimeDevice,
     ours: &Ours,
     shape: [usize; 3],
     dtype: DType,
     repeats: usize,
-) {
-    check_ours_against(gpu, ours, shape, dtype, repeats, true);
-}
-
-/// [`check_ours`], against Burn's linear as well as float64 where `with_burn`.
-fn check_ours_against(
-    gpu: &device::RuntimeDevice,
-    ours: &Ours,
-    shape: [usize; 3],
-    dtype: DType,
-    repeats: usize,
-    with_burn: bool,
+    against: Against,
 ) {
     let [rows, in_features, out_features] = shape;
     let (x, weight, bias) = random(rows, in_features, out_features, dtype);
@@ -166,7 +143,7 @@ fn check_ours_against(
     let d = &gpu.device;
     let (x, weight, bias) = (x.to_device(d), weight.to_device(d), bias.to_device(d));
     let weight_t = materialize(weight.clone().transpose());
-    let burns = with_burn.then(|| {
+    let burns = (against == Against::Float64AndBurn).then(|| {
         let burns = linear(
             x.clone(),
             &weight.transpose(),
@@ -243,15 +220,12 @@ fn ours_match_float64_and_burn() {
             }
         }
         for (in_features, out_features) in QWEN2_VL_2B_LINEARS {
-            check_against_float64(
-                &gpu,
-                kernel,
-                [block + 3, in_features, out_features],
-                DType::F32,
-            );
+            let shape = [block + 3, in_features, out_features];
+            check_kernel(&gpu, kernel, shape, DType::F32, 1, Against::Float64);
         }
         if device::f16_for_tests(&gpu) {
-            check_against_float64(&gpu, kernel, [block + 3, 1280, 3840], DType::F16);
+            let shape = [block + 3, 1280, 3840];
+            check_kernel(&gpu, kernel, shape, DType::F16, 1, Against::Float64);
             check(&gpu, kernel, 5, 36, 516, DType::F16);
         }
     }
@@ -374,16 +348,11 @@ fn coop_emulated_matches_float64() {
             },
         };
         for shape in coop_shapes(tiling, &[1, COOP_ROWS as usize + 1]) {
-            check_ours(&gpu, &ours, shape, DType::F16, 1);
+            check_ours(&gpu, &ours, shape, DType::F16, 1, Against::Float64AndBurn);
         }
         // `attn.qkv` of the 2B shape: 40 slices deep, 30 blocks across.
-        check_ours(
-            &gpu,
-            &ours,
-            [COOP_ROWS as usize + 3, 1280, 3840],
-            DType::F16,
-            1,
-        );
+        let shape = [COOP_ROWS as usize + 3, 1280, 3840];
+        check_ours(&gpu, &ours, shape, DType::F16, 1, Against::Float64AndBurn);
     }
 }
 
@@ -449,7 +418,14 @@ fn coop_kernel_matches_float64(gpu: &RuntimeDevice, kernel: LinearKernel) {
     });
     let block = COOP_ROWS as usize;
     let coop = |shape: [usize; 3]| {
-        check_repeated(gpu, kernel, shape, DType::F16, repeats);
+        check_kernel(
+            gpu,
+            kernel,
+            shape,
+            DType::F16,
+            repeats,
+            Against::Float64AndBurn,
+        );
     };
     let tiling = kernel.coop_tiling().unwrap();
     let rows = [1, 17, block - 1, block, block + 1, 3 * block + 5];
